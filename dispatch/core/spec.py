@@ -1,0 +1,345 @@
+"""The one validator for task definitions and ExecutionSpecs.
+
+DESIGN §4 / ADR §2 step 5: the Django Task form, the REST API and `dispatch_once`
+all call these functions, so there is never a second set of rules to drift.
+Every rule violation is a `SpecError` naming the field (never the value).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
+
+from dispatch.core._validate import (
+    EXECUTOR_TYPE_RE,
+    require_int,
+    require_str,
+    validate_executor_type,
+)
+from dispatch.core.errors import SpecError
+from dispatch.core.placement import Placement, normalize_placement, validate_placement
+
+__all__ = [
+    "DEFAULT_RESOURCES",
+    "ENV_KEY_RE",
+    "EXECUTOR_TYPE_RE",
+    "ID_FIELDS",
+    "MAX_ATTEMPTS_LIMIT",
+    "MAX_COMMAND_ITEMS",
+    "MAX_COMMAND_ITEM_CHARS",
+    "MAX_COMMAND_TOTAL_CHARS",
+    "MAX_CPU_MILLIS",
+    "MAX_CWD_CHARS",
+    "MAX_ENV_ITEMS",
+    "MAX_ENV_VALUE_CHARS",
+    "MAX_ID_CHARS",
+    "MAX_MEMORY_MB",
+    "MAX_TIMEOUT_S",
+    "SPEC_FIELDS",
+    "SPEC_VERSION",
+    "TaskDefinition",
+    "build_spec",
+    "canonical_json",
+    "check_spec_identity",
+    "spec_sha256",
+    "validate_command",
+    "validate_cwd",
+    "validate_env",
+    "validate_executor_type",
+    "validate_id",
+    "validate_max_attempts",
+    "validate_resources",
+    "validate_spec",
+    "validate_task_definition",
+    "validate_timeout_s",
+]
+
+SPEC_VERSION: Final = 1
+MAX_COMMAND_ITEMS: Final = 256
+MAX_COMMAND_ITEM_CHARS: Final = 4096
+MAX_COMMAND_TOTAL_CHARS: Final = 32768
+MAX_ENV_ITEMS: Final = 128
+MAX_ENV_VALUE_CHARS: Final = 32768
+MAX_CWD_CHARS: Final = 1024
+MAX_TIMEOUT_S: Final = 604800
+MAX_ATTEMPTS_LIMIT: Final = 100
+MAX_CPU_MILLIS: Final = 1_000_000
+MAX_MEMORY_MB: Final = 10_000_000
+MAX_ID_CHARS: Final = 20
+ENV_KEY_RE: Final = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+# A read-only view: callers get copies from validate_resources(), so nobody can
+# change the default for every later task by mutating it.
+DEFAULT_RESOURCES: Final[Mapping[str, int]] = MappingProxyType(
+    {"cpu_millis": 1000, "memory_mb": 256}
+)
+DEFAULT_TIMEOUT_S: Final = 3600
+DEFAULT_MAX_ATTEMPTS: Final = 1
+
+_ENV_KEY = re.compile(ENV_KEY_RE)
+_ID = re.compile(r"[0-9]{1,20}")
+_RESOURCE_MAX: Final[Mapping[str, int]] = MappingProxyType(
+    {"cpu_millis": MAX_CPU_MILLIS, "memory_mb": MAX_MEMORY_MB}
+)
+_PATH_SEPARATORS = re.compile(r"[/\\]")
+
+ID_FIELDS: Final = ("run_id", "attempt_id", "project_id", "task_id")
+SPEC_FIELDS: Final = frozenset(
+    {
+        "spec_version",
+        *ID_FIELDS,
+        "task_revision",
+        "executor_type",
+        "command",
+        "cwd",
+        "env",
+        "timeout_s",
+        "resources",
+    }
+)
+_DEFINITION_FIELDS: Final = frozenset(
+    {
+        "executor_type",
+        "command",
+        "cwd",
+        "env",
+        "timeout_s",
+        "resources",
+        "placement",
+        "max_attempts",
+    }
+)
+
+
+def validate_command(value: object) -> list[str]:
+    if not isinstance(value, list | tuple):
+        raise SpecError("command", "must be a list of strings")
+    if not value:
+        raise SpecError("command", "must not be empty")
+    if len(value) > MAX_COMMAND_ITEMS:
+        raise SpecError("command", f"must have at most {MAX_COMMAND_ITEMS} items")
+    command: list[str] = []
+    total = 0
+    for index, item in enumerate(value):
+        text = require_str(item, field=f"command[{index}]", max_chars=MAX_COMMAND_ITEM_CHARS)
+        total += len(text)
+        command.append(text)
+    if not command[0].strip():
+        raise SpecError("command[0]", "must name a program")
+    if total > MAX_COMMAND_TOTAL_CHARS:
+        raise SpecError("command", f"must total at most {MAX_COMMAND_TOTAL_CHARS} characters")
+    return command
+
+
+def validate_cwd(value: object) -> str | None:
+    if value is None:
+        return None
+    text = require_str(value, field="cwd", max_chars=MAX_CWD_CHARS, allow_empty=False)
+    # A ".." segment can escape whatever root the Worker resolves cwd against.
+    if ".." in _PATH_SEPARATORS.split(text):
+        raise SpecError("cwd", "must not contain a '..' segment")
+    return text
+
+
+def validate_env(value: object) -> dict[str, str]:
+    # Errors say only "env": a key or value may itself be the secret.
+    if not isinstance(value, Mapping):
+        raise SpecError("env", "must be an object of strings")
+    if len(value) > MAX_ENV_ITEMS:
+        raise SpecError("env", f"must have at most {MAX_ENV_ITEMS} variables")
+    env: dict[str, str] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or _ENV_KEY.fullmatch(key) is None:
+            raise SpecError("env", "variable names must match ^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+        if not isinstance(item, str):
+            raise SpecError("env", "values must be strings")
+        if len(item) > MAX_ENV_VALUE_CHARS:
+            raise SpecError("env", f"values must be at most {MAX_ENV_VALUE_CHARS} characters")
+        if "\x00" in item:
+            raise SpecError("env", "values must not contain NUL characters")
+        env[key] = item
+    return env
+
+
+def validate_timeout_s(value: object) -> int:
+    return require_int(value, field="timeout_s", minimum=1, maximum=MAX_TIMEOUT_S)
+
+
+def validate_resources(value: object) -> dict[str, int]:
+    if value is None:
+        return dict(DEFAULT_RESOURCES)
+    if not isinstance(value, Mapping):
+        raise SpecError("resources", "must be an object")
+    for key in value:
+        if key not in _RESOURCE_MAX:
+            raise SpecError("resources", "has an unknown field")
+    resources: dict[str, int] = {}
+    for key, maximum in _RESOURCE_MAX.items():
+        resources[key] = require_int(
+            value.get(key, DEFAULT_RESOURCES[key]),
+            field=f"resources.{key}",
+            minimum=0,
+            maximum=maximum,
+        )
+    return resources
+
+
+def validate_max_attempts(value: object) -> int:
+    return require_int(value, field="max_attempts", minimum=1, maximum=MAX_ATTEMPTS_LIMIT)
+
+
+def validate_id(value: object, *, field: str) -> str:
+    """Ids cross the wire as decimal strings of database keys (DESIGN §4)."""
+    if not isinstance(value, str) or _ID.fullmatch(value) is None:
+        raise SpecError(field, f"must be a string of 1 to {MAX_ID_CHARS} decimal digits")
+    return value
+
+
+@dataclass(frozen=True)
+class TaskDefinition:
+    """A validated TaskRevision body; the secret-bearing fields stay out of repr()."""
+
+    executor_type: str
+    command: tuple[str, ...] = field(repr=False)
+    cwd: str | None = field(repr=False)
+    env: Mapping[str, str] = field(repr=False)
+    timeout_s: int
+    resources: Mapping[str, int]
+    placement: Placement
+    max_attempts: int
+
+
+def _field_name(key: object) -> str:
+    # An unknown key is named so the author can find it, but only when it looks
+    # like a field name; anything else could be pasted data.
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", key):
+        return key
+    return "definition"
+
+
+def validate_task_definition(raw: Mapping[str, object]) -> TaskDefinition:
+    if not isinstance(raw, Mapping):
+        raise SpecError("definition", "must be an object")
+    for key in raw:
+        if key not in _DEFINITION_FIELDS:
+            raise SpecError(_field_name(key), "unknown field")
+    for required in ("executor_type", "command"):
+        if required not in raw:
+            raise SpecError(required, "is required")
+    executor_type = validate_executor_type(raw["executor_type"])
+    placement = normalize_placement(validate_placement(raw.get("placement")), executor_type)
+    return TaskDefinition(
+        executor_type=executor_type,
+        command=tuple(validate_command(raw["command"])),
+        cwd=validate_cwd(raw.get("cwd")),
+        env=validate_env(raw.get("env", {})),
+        timeout_s=validate_timeout_s(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        resources=validate_resources(raw.get("resources")),
+        placement=placement,
+        max_attempts=validate_max_attempts(raw.get("max_attempts", DEFAULT_MAX_ATTEMPTS)),
+    )
+
+
+def build_spec(
+    *,
+    run_id: str,
+    attempt_id: str,
+    project_id: str,
+    task_id: str,
+    task_revision: int,
+    definition: TaskDefinition,
+) -> dict[str, object]:
+    """The wire ExecutionSpec of DESIGN §4, as fresh plain containers."""
+    return {
+        "spec_version": SPEC_VERSION,
+        "run_id": run_id,
+        "attempt_id": attempt_id,
+        "project_id": project_id,
+        "task_id": task_id,
+        "task_revision": task_revision,
+        "executor_type": definition.executor_type,
+        "command": list(definition.command),
+        "cwd": definition.cwd,
+        "env": dict(definition.env),
+        "timeout_s": definition.timeout_s,
+        "resources": dict(definition.resources),
+    }
+
+
+def validate_spec(raw: Mapping[str, object]) -> dict[str, object]:
+    """ADR §2 step 5: validate, deep-copy and strip unknown fields (剥离).
+
+    The result is built only from values the validators return (new lists and
+    dicts of immutable strings and ints), so nothing in it aliases `raw`.
+    """
+    if not isinstance(raw, Mapping):
+        raise SpecError("spec", "must be an object")
+    for name in sorted(SPEC_FIELDS):
+        if name not in raw:
+            raise SpecError(name, "is required")
+    version = raw["spec_version"]
+    if isinstance(version, bool) or version != SPEC_VERSION or not isinstance(version, int):
+        raise SpecError("spec_version", f"must be {SPEC_VERSION}")
+    spec: dict[str, object] = {"spec_version": SPEC_VERSION}
+    for name in ID_FIELDS:
+        spec[name] = validate_id(raw[name], field=name)
+    spec["task_revision"] = require_int(
+        raw["task_revision"], field="task_revision", minimum=1, maximum=2**63 - 1
+    )
+    spec["executor_type"] = validate_executor_type(raw["executor_type"])
+    spec["command"] = validate_command(raw["command"])
+    spec["cwd"] = validate_cwd(raw["cwd"])
+    spec["env"] = validate_env(raw["env"])
+    spec["timeout_s"] = validate_timeout_s(raw["timeout_s"])
+    if raw["resources"] is None:
+        raise SpecError("resources", "is required")
+    spec["resources"] = validate_resources(raw["resources"])
+    return spec
+
+
+def _plain(value: object) -> object:
+    # Offers keep their spec frozen (MappingProxyType, tuples); json wants dicts/lists.
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
+
+
+def canonical_json(spec: Mapping[str, object]) -> bytes:
+    """DESIGN §4: sorted keys, no insignificant whitespace, UTF-8."""
+    return json.dumps(
+        _plain(spec), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def spec_sha256(spec: Mapping[str, object]) -> str:
+    return hashlib.sha256(canonical_json(spec)).hexdigest()
+
+
+def check_spec_identity(
+    spec: Mapping[str, object],
+    *,
+    run_id: str,
+    attempt_id: str,
+    project_id: str,
+    task_id: str,
+    task_revision: int,
+) -> None:
+    """ADR §2 step 5: the spec must describe exactly the persisted candidate."""
+    expected: tuple[tuple[str, object], ...] = (
+        ("run_id", run_id),
+        ("attempt_id", attempt_id),
+        ("project_id", project_id),
+        ("task_id", task_id),
+        ("task_revision", task_revision),
+    )
+    for name, want in expected:
+        got = spec.get(name)
+        # type() equality too: 1 == True and "1" != 1 must both count as drift.
+        if type(got) is not type(want) or got != want:
+            raise SpecError(name, "does not match the persisted candidate")

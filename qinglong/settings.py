@@ -1,0 +1,200 @@
+"""Django settings for the Qinglong control plane.
+
+Everything comes from the environment through `qinglong.env` helpers, which fail
+loudly on a bad value. The embedded default is a SQLite file in the project
+directory; `DATABASE_URL=postgres://…` selects PostgreSQL (psycopg 3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from qinglong.env import env_bool, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DEBUG = env_bool("DEBUG", False)
+
+_DEV_SECRET_KEY = "django-insecure-qinglong-development-only-never-in-production-0123456789"
+SECRET_KEY = env_str("SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured(
+            "SECRET_KEY must be set when DEBUG is off (set DEBUG=1 for local development)."
+        )
+    SECRET_KEY = _DEV_SECRET_KEY
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "qinglong.apps.QinglongConfig",
+    "runs.apps.RunsConfig",
+    "workers.apps.WorkersConfig",
+    "dispatch.apps.DispatchConfig",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "qinglong.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "qinglong.wsgi.application"
+
+# --- database ---------------------------------------------------------------
+DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'qinglong.sqlite3'}")
+_db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL, conn_max_age=0))
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    # One writer at a time: BEGIN IMMEDIATE takes the write lock up front so a
+    # claim never upgrades a read lock into a deadlock; WAL lets readers run
+    # beside the writer; the timeout waits for the lock instead of failing.
+    _db["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": env_int("SQLITE_BUSY_TIMEOUT_S", 20, minimum=1),
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    _db["TEST"] = {"NAME": env_str("SQLITE_TEST_NAME", "") or None}
+elif _db["ENGINE"] == "django.db.backends.postgresql":
+    _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 0, minimum=0)
+    _db["CONN_HEALTH_CHECKS"] = True
+    _db.setdefault("OPTIONS", {})
+    _db["OPTIONS"].setdefault("connect_timeout", env_int("DB_CONNECT_TIMEOUT_S", 5, minimum=1))
+else:
+    raise ImproperlyConfigured(
+        f"DATABASE_URL must be sqlite:// or postgres://, got {_db['ENGINE']}"
+    )
+DATABASES = {"default": _db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- i18n / static -----------------------------------------------------------
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "var" / "static"
+
+# --- security (production defaults; `manage.py check --deploy` stays clean) --
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", not DEBUG)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+SILENCED_SYSTEM_CHECKS = env_list("SILENCED_SYSTEM_CHECKS", [])
+if env_bool("QL_ALLOW_PRELOAD_UNSET", True):
+    # HSTS preload is an opt-in commitment to browser vendors, not a default.
+    SILENCED_SYSTEM_CHECKS.append("security.W021")
+
+# Request bodies are capped; the worker API enforces its own smaller caps too.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 256 * 1024, minimum=1024)
+
+# --- dispatch (DESIGN §3); validated by the qinglong.checks system check -----
+_DISPATCH_DEFAULTS: dict[str, int] = {
+    "recovery_page_size": 8,
+    "recovery_max_pages": 2,
+    "candidate_page_size": 8,
+    "candidate_max_pages": 2,
+    "worker_page_size": 8,
+    "worker_max_pages": 2,
+    "max_claim_attempts": 8,
+    "lease_ttl_s": 60,
+    "redelivery_backoff_s": 5,
+    "max_deliveries": 5,
+}
+QINGLONG_DISPATCH: dict[str, int] = {
+    key: env_int(f"QL_DISPATCH_{key.upper()}", default)
+    for key, default in _DISPATCH_DEFAULTS.items()
+}
+# HMAC key for lease tokens of global claims (DESIGN §3 "Offer"). Derived from
+# SECRET_KEY unless set, so recovery after a restart re-derives the same token.
+QINGLONG_LEASE_SECRET = env_str(
+    "QL_LEASE_SECRET",
+    hashlib.sha256(b"qinglong-lease-token-v1\x00" + SECRET_KEY.encode()).hexdigest(),
+)
+QINGLONG_HEARTBEAT_INTERVAL_S = env_int("QL_HEARTBEAT_INTERVAL_S", 10, minimum=1)
+QINGLONG_SESSION_TIMEOUT_S = env_int("QL_SESSION_TIMEOUT_S", 30, minimum=2)
+QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, minimum=60)
+
+# --- Django REST framework / OpenAPI ----------------------------------------
+REST_FRAMEWORK: dict[str, Any] = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+if DEBUG:
+    REST_FRAMEWORK["DEFAULT_RENDERER_CLASSES"].append(
+        "rest_framework.renderers.BrowsableAPIRenderer"
+    )
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Qinglong control plane API",
+    "DESCRIPTION": "Worker protocol (sessions, heartbeat, pull, ACK) and operator API.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# --- Celery (cluster deployment; the embedded default runs without it) ------
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
+CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", "") or None
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TIMEZONE = "UTC"
+
+# --- logging -----------------------------------------------------------------
+LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
+LOGGING: dict[str, Any] = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {
+        "qinglong": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
+    },
+}

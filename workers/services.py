@@ -1,0 +1,306 @@
+"""Worker Registry and Session use cases: enroll, rotate, open, heartbeat, offline.
+
+A new Session of a Worker fences every earlier one (DESIGN §4): its token stops
+working at once, and the old Session's leases end (claimed → back to pending,
+started → lost) so that nothing it was granted is ever delivered again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import secrets
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+
+from dispatch.core.errors import SpecError
+from dispatch.core.offer import token_digest
+from dispatch.core.placement import validate_labels
+from dispatch.core.spec import validate_executor_type
+from qinglong.clock import db_now
+from workers.models import (
+    SESSION_CURRENT_STATES,
+    SessionState,
+    Worker,
+    WorkerAdminState,
+    WorkerSession,
+)
+
+logger = logging.getLogger("qinglong.workers")
+
+MAX_SLOTS = 256
+MAX_EXECUTOR_TYPES = 16
+
+
+class WorkerInputError(ValueError):
+    """Bad enrollment or session input; `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _new_secret(prefix: str) -> str:
+    # 256 bits of entropy; the prefix tells an operator what kind of secret it is.
+    return f"{prefix}_{secrets.token_urlsafe(32)}"
+
+
+def _validate_capabilities(
+    *, executor_types: object, labels: object, slots: object
+) -> tuple[list[str], dict[str, str], int]:
+    if not isinstance(executor_types, list | tuple) or not executor_types:
+        raise WorkerInputError("executor_types", "must be a non-empty list")
+    if len(executor_types) > MAX_EXECUTOR_TYPES:
+        raise WorkerInputError("executor_types", f"at most {MAX_EXECUTOR_TYPES} items")
+    try:
+        types = sorted({validate_executor_type(t, field="executor_types") for t in executor_types})
+        label_map = validate_labels(labels if labels is not None else {}, field="labels")
+    except SpecError as err:
+        raise WorkerInputError(err.field, err.message) from None
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise WorkerInputError("slots", f"must be an integer from 1 to {MAX_SLOTS}")
+    return types, label_map, slots
+
+
+@transaction.atomic
+def worker_enroll(
+    *, name: str, slots: int, executor_types: Sequence[str], labels: Mapping[str, str]
+) -> tuple[Worker, str]:
+    """Register a Worker; returns it and its credential, which is never stored."""
+    types, label_map, slot_count = _validate_capabilities(
+        executor_types=list(executor_types), labels=dict(labels), slots=slots
+    )
+    credential = _new_secret("qlw")
+    worker = Worker(
+        name=name,
+        credential_digest=token_digest(credential),
+        credential_prefix=credential[:8],
+        executor_types=types,
+        labels=label_map,
+        slots=slot_count,
+    )
+    worker.full_clean()
+    worker.save()
+    return worker, credential
+
+
+@transaction.atomic
+def worker_rotate_credential(*, worker: Worker) -> str:
+    """Issue a new credential; the old one stops working at once."""
+    credential = _new_secret("qlw")
+    Worker.objects.filter(pk=worker.pk).update(
+        credential_digest=token_digest(credential),
+        credential_prefix=credential[:8],
+        credential_rotated_at=db_now(),
+    )
+    worker.refresh_from_db()
+    return credential
+
+
+def worker_set_admin_state(*, worker: Worker, admin_state: WorkerAdminState) -> None:
+    Worker.objects.filter(pk=worker.pk).update(admin_state=admin_state)
+    worker.admin_state = admin_state
+    if admin_state == WorkerAdminState.DISABLED:
+        for session in WorkerSession.objects.filter(
+            worker=worker, state__in=SESSION_CURRENT_STATES
+        ):
+            session_end(
+                session_pk=session.pk, to_state=SessionState.OFFLINE, reason="worker_disabled"
+            )
+
+
+def worker_authenticate(credential: str) -> Worker | None:
+    if not credential:
+        return None
+    return Worker.objects.filter(credential_digest=token_digest(credential)).first()
+
+
+@dataclass(frozen=True)
+class OpenedSession:
+    session: WorkerSession
+    token: str  # shown once, never stored
+    replaced: tuple[int, ...]
+
+
+class WorkerDisabled(Exception):
+    """A disabled Worker may not open Sessions."""
+
+
+def session_open(
+    *,
+    worker: Worker,
+    executor_types: object,
+    labels: object,
+    slots: object,
+    agent_version: str = "",
+) -> OpenedSession:
+    """Open the Worker's next Session generation and fence every earlier one."""
+    types, label_map, slot_count = _validate_capabilities(
+        executor_types=executor_types, labels=labels, slots=slots
+    )
+    unknown = set(types) - set(worker.executor_types)
+    if unknown:
+        raise WorkerInputError("executor_types", "not enrolled for this worker")
+    token = _new_secret("qls")
+    with transaction.atomic(durable=True):
+        # Lock the Worker: generations are handed out one at a time.
+        locked = Worker.objects.select_for_update().get(pk=worker.pk)
+        if locked.admin_state == WorkerAdminState.DISABLED:
+            raise WorkerDisabled(locked.name)
+        now = db_now()
+        replaced = list(
+            WorkerSession.objects.filter(
+                worker=locked, state__in=SESSION_CURRENT_STATES
+            ).values_list("pk", flat=True)
+        )
+        WorkerSession.objects.filter(pk__in=replaced).update(
+            state=SessionState.REPLACED, ended_at=now
+        )
+        generation = locked.last_generation + 1
+        Worker.objects.filter(pk=locked.pk).update(last_generation=generation)
+        session = WorkerSession.objects.create(
+            worker=locked,
+            session_id=uuid.uuid4(),
+            generation=generation,
+            state=(
+                SessionState.DRAINING
+                if locked.admin_state == WorkerAdminState.DRAINING
+                else SessionState.ONLINE
+            ),
+            token_digest=token_digest(token),
+            executor_types=types,
+            labels={**worker.labels, **label_map},
+            slots=min(slot_count, locked.slots),
+            agent_version=str(agent_version)[:64],
+            heartbeat_at=now,
+        )
+    # After the fence commits, so a racing claim either committed first (and
+    # its lease is ended here) or sees the Session replaced.
+    from dispatch.services import leases_end_for_session
+
+    for pk in replaced:
+        leases_end_for_session(pk, reason="session_replaced")
+    logger.info(
+        "session opened",
+        extra={
+            "event": "session_opened",
+            "worker_id": worker.pk,
+            "generation": generation,
+            "replaced": len(replaced),
+        },
+    )
+    return OpenedSession(session=session, token=token, replaced=tuple(replaced))
+
+
+class SessionRejected(Exception):
+    """The presented session token is not (or no longer) usable."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def session_authenticate(token: str) -> WorkerSession:
+    """The Session of a token, or `SessionRejected` with a precise code."""
+    session = (
+        WorkerSession.objects.select_related("worker")
+        .filter(token_digest=token_digest(token))
+        .first()
+        if token
+        else None
+    )
+    if session is None:
+        raise SessionRejected("invalid_session_token")
+    if session.state == SessionState.REPLACED:
+        raise SessionRejected("session_replaced")
+    if session.state == SessionState.OFFLINE:
+        raise SessionRejected("session_offline")
+    if session.worker.admin_state == WorkerAdminState.DISABLED:
+        raise SessionRejected("worker_disabled")
+    return session
+
+
+class HeartbeatOutcome(enum.StrEnum):
+    OK = "ok"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    session_state: str
+    cancel: list[str]
+    server_time: datetime
+    renewed: int
+
+
+def session_heartbeat(*, session: WorkerSession, draining: bool) -> Heartbeat:
+    """Keep a Session online, renew its started leases, return cancel verdicts."""
+    from dispatch.services import cancelled_offer_ids, leases_renew_for_session
+
+    with transaction.atomic(durable=True):
+        now = db_now()
+        wants = (
+            SessionState.DRAINING
+            if draining or session.worker.admin_state == WorkerAdminState.DRAINING
+            else SessionState.ONLINE
+        )
+        # Compare-and-set on the current states: a heartbeat racing the offline
+        # sweeper or a replacement never resurrects the Session.
+        updated = WorkerSession.objects.filter(
+            pk=session.pk, state__in=SESSION_CURRENT_STATES
+        ).update(heartbeat_at=now, state=wants)
+        if updated != 1:
+            session.refresh_from_db()
+            raise SessionRejected(
+                "session_replaced" if session.state == SessionState.REPLACED else "session_offline"
+            )
+        session.heartbeat_at = now
+        session.state = wants
+        renewed = leases_renew_for_session(session, now=now)
+    return Heartbeat(
+        session_state=session.state,
+        cancel=cancelled_offer_ids(session),
+        server_time=now,
+        renewed=renewed,
+    )
+
+
+def session_end(*, session_pk: int, to_state: SessionState, reason: str) -> bool:
+    """Mark a current Session offline/replaced and end its leases."""
+    from dispatch.services import leases_end_for_session
+
+    updated = WorkerSession.objects.filter(pk=session_pk, state__in=SESSION_CURRENT_STATES).update(
+        state=to_state, ended_at=db_now()
+    )
+    leases_end_for_session(session_pk, reason=reason)
+    return updated == 1
+
+
+def sessions_stale(*, now: datetime, limit: int = 64) -> list[int]:
+    """Current Sessions whose last heartbeat is older than the session timeout."""
+    cutoff = now - timedelta(seconds=settings.QINGLONG_SESSION_TIMEOUT_S)
+    return list(
+        WorkerSession.objects.filter(state__in=SESSION_CURRENT_STATES, heartbeat_at__lt=cutoff)
+        .order_by("heartbeat_at", "id")
+        .values_list("pk", flat=True)[:limit]
+    )
+
+
+def session_mark_offline_if_stale(*, session_pk: int) -> bool:
+    """Offline sweeper step: a CAS that re-checks staleness at write time."""
+    from dispatch.services import leases_end_for_session
+
+    now = db_now()
+    cutoff = now - timedelta(seconds=settings.QINGLONG_SESSION_TIMEOUT_S)
+    updated = WorkerSession.objects.filter(
+        pk=session_pk, state__in=SESSION_CURRENT_STATES, heartbeat_at__lt=cutoff
+    ).update(state=SessionState.OFFLINE, ended_at=now)
+    if updated != 1:
+        return False
+    leases_end_for_session(session_pk, reason="session_offline")
+    return True
