@@ -105,14 +105,14 @@ def _started():
     attempt = pending_attempt(run)
     _outcome, offer_id, token = claim(attempt, opened.session)
     lease = RunLease.objects.get(offer_id=offer_id)
-    for phase, extra in ((AckPhase.STARTING, {}), (AckPhase.RUNNING, {"executor_handle": "p:1"})):
+    for phase in (AckPhase.STARTING, AckPhase.RUNNING):
         lease_ack(
             session=opened.session,
             offer_id=offer_id,
             phase=phase,
             lease_token=token,
             spec_sha256=lease.spec_digest,
-            **extra,
+            executor_handle="pid:1",
         )
     return opened.session, run, attempt, lease, token
 
