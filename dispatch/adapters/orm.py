@@ -1,0 +1,404 @@
+"""Django ORM implementations of the `dispatch.core` ports (DESIGN §6 "adapters").
+
+Every source reads one bounded keyset page per call: `limit + 1` rows (the extra
+row only says whether a next page exists), joined in the same query so the
+number of queries per page is constant whatever the backlog (ADR §1: no
+unbounded reads on an edge device). Cursors are opaque strings to the core; a
+malformed one is a programming error and raises `ValueError`.
+
+The filters mirror the port contracts in `dispatch.core.ports` exactly; the
+shared contract suite (`dispatch/tests/test_port_contract.py`) runs the same
+checks against these adapters and the in-memory fakes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Final
+
+from django.db.models import Count, F, IntegerField, OuterRef, Q, QuerySet, Subquery
+from django.db.models.functions import Coalesce
+from django.utils.dateparse import parse_datetime
+
+from dispatch.core.errors import SpecError
+from dispatch.core.placement import validate_placement
+from dispatch.core.ports import (
+    Candidate,
+    DispatchPlan,
+    DispatchPorts,
+    DispatchScope,
+    Page,
+    PlanUnavailable,
+    RecoverableLease,
+    WorkerRecord,
+)
+from dispatch.models import LeaseState, RunLease
+from dispatch.services import DatabaseClaimPort
+from qinglong.clock import DatabaseClock
+from runs.models import Attempt, AttemptState, RunState
+from runs.services import attempt_spec
+from workers.models import SESSION_CURRENT_STATES, SessionState, WorkerAdminState, WorkerSession
+
+__all__ = [
+    "OrmCandidateSource",
+    "OrmLeaseRecoverySource",
+    "OrmPlanSource",
+    "OrmWorkerSnapshotSource",
+    "decode_candidate_cursor",
+    "encode_candidate_cursor",
+    "orm_ports",
+]
+
+_CURSOR_SEP: Final = "|"
+
+
+def _id_cursor(cursor: str | None) -> int | None:
+    if cursor is None:
+        return None
+    if not cursor.isascii() or not cursor.isdigit():
+        raise ValueError("not a cursor of this source")
+    return int(cursor)
+
+
+def _check_limit(limit: int) -> None:
+    # The core never asks for more than a hard-capped page (ADR §1); a caller
+    # that does is a bug, and silently reading a huge page is what we prevent.
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 64:
+        raise ValueError("limit must be an integer from 1 to 64")
+
+
+def _session_uuid(scope: DispatchScope) -> uuid.UUID | None:
+    if scope.session is None:
+        return None
+    try:
+        return uuid.UUID(scope.session.session_id)
+    except ValueError:
+        return None
+
+
+# ------------------------------------------------------------------- recovery
+
+
+class OrmLeaseRecoverySource:
+    """Active leases still eligible for re-delivery (ADR §2 step 1, §5)."""
+
+    def recover_page(
+        self,
+        *,
+        scope: DispatchScope,
+        observed_at: datetime,
+        due_before: datetime | None,
+        max_deliveries: int,
+        cursor: str | None,
+        limit: int,
+    ) -> Page[RecoverableLease]:
+        _check_limit(limit)
+        after = _id_cursor(cursor)
+        qs = RunLease.objects.filter(
+            state=LeaseState.ACTIVE,
+            # ADR §5: recovery only covers the window before the starting ACK,
+            # and only for the lease generation the Attempt still carries.
+            attempt__state=AttemptState.CLAIMED,
+            attempt__lease_generation=F("lease_generation"),
+            run__state=RunState.DISPATCHING,
+            run__cancel_requested=False,
+            expires_at__gt=observed_at,
+            # The granted Session must still be the Worker's current one: a
+            # replaced or offline Session's lease is never delivered again.
+            session__state__in=SESSION_CURRENT_STATES,
+            session__generation=F("session_generation"),
+            delivery_count__lt=max_deliveries,
+        )
+        if scope.session is not None:
+            session_uuid = _session_uuid(scope)
+            if session_uuid is None:
+                return Page((), None)
+            qs = qs.filter(session__session_id=session_uuid)
+        if due_before is not None:
+            # DESIGN §3: global scope re-delivers only after the backoff passed.
+            qs = qs.filter(Q(last_delivered_at__isnull=True) | Q(last_delivered_at__lte=due_before))
+        if after is not None:
+            qs = qs.filter(pk__gt=after)
+        rows = list(
+            qs.select_related("attempt", "run__task_revision", "session")
+            # Only the columns a RecoverableLease needs: the revision's command
+            # and env are not read here, the plan source materializes them.
+            .only(
+                "id",
+                "attempt_id",
+                "worker_id",
+                "session_generation",
+                "lease_generation",
+                "spec_digest",
+                "expires_at",
+                "source",
+                "placement_score",
+                "pull_id",
+                "token_digest",
+                "delivery_count",
+                "last_delivered_at",
+                "attempt__id",
+                "attempt__priority",
+                "attempt__queued_at",
+                "attempt__version",
+                "run__id",
+                "run__project_id",
+                "run__task_id",
+                "run__task_revision__revision",
+                "run__task_revision__executor_type",
+                "session__session_id",
+            )
+            .order_by("pk")[: limit + 1]
+        )
+        page, more = rows[:limit], len(rows) > limit
+        items = tuple(_recoverable(lease) for lease in page)
+        return Page(items, str(page[-1].pk) if more else None)
+
+
+def _recoverable(lease: RunLease) -> RecoverableLease:
+    run = lease.run
+    attempt = lease.attempt
+    revision = run.task_revision
+    return RecoverableLease(
+        lease_id=str(lease.pk),
+        run_id=str(run.pk),
+        attempt_id=str(attempt.pk),
+        project_id=str(run.project_id),
+        task_id=str(run.task_id),
+        task_revision=revision.revision,
+        executor_type=revision.executor_type,
+        # The Attempt's copies, so a recovered offer orders exactly like the
+        # candidate it was claimed from.
+        priority=attempt.priority,
+        queued_at=attempt.queued_at,
+        worker_id=str(lease.worker_id),
+        session_id=str(lease.session.session_id),
+        session_generation=lease.session_generation,
+        lease_generation=lease.lease_generation,
+        spec_sha256=lease.spec_digest,
+        expires_at=lease.expires_at,
+        source=lease.source,
+        placement_score=lease.placement_score,
+        pull_id=None if lease.pull_id is None else str(lease.pull_id),
+        token_digest=lease.token_digest,
+        delivery_count=lease.delivery_count,
+        last_delivered_at=lease.last_delivered_at,
+        attempt_version=attempt.version,
+    )
+
+
+# ----------------------------------------------------------------- candidates
+
+
+def encode_candidate_cursor(priority: int, queued_at: datetime, attempt_id: int) -> str:
+    return _CURSOR_SEP.join((str(priority), queued_at.isoformat(), str(attempt_id)))
+
+
+def decode_candidate_cursor(cursor: str) -> tuple[int, datetime, int]:
+    parts = cursor.split(_CURSOR_SEP)
+    if len(parts) != 3:
+        raise ValueError("not a cursor of this source")
+    priority_text, queued_text, id_text = parts
+    queued_at = parse_datetime(queued_text)
+    if queued_at is None or queued_at.tzinfo is None:
+        raise ValueError("not a cursor of this source")
+    try:
+        return int(priority_text), queued_at, int(id_text)
+    except ValueError:
+        raise ValueError("not a cursor of this source") from None
+
+
+class OrmCandidateSource:
+    """Pending Attempts of queued Runs in keyset order (ADR §2 step 2)."""
+
+    def candidate_page(self, *, cursor: str | None, limit: int) -> Page[Candidate]:
+        _check_limit(limit)
+        # The filter on Attempt.state matches the partial index
+        # `attempt_candidate_keyset` (priority DESC, queued_at, id) WHERE
+        # state='pending', so the scan is one index range, whatever the backlog.
+        qs = Attempt.objects.filter(
+            state=AttemptState.PENDING,
+            run__state=RunState.QUEUED,
+            run__cancel_requested=False,
+        )
+        if cursor is not None:
+            priority, queued_at, attempt_id = decode_candidate_cursor(cursor)
+            # `priority <= p` bounds the index range; the OR picks the exact
+            # successor of the cursor in (priority DESC, queued_at, id) order.
+            qs = qs.filter(priority__lte=priority).filter(
+                Q(priority__lt=priority)
+                | Q(queued_at__gt=queued_at)
+                | Q(queued_at=queued_at, pk__gt=attempt_id)
+            )
+        rows = list(
+            qs.select_related("run__task_revision")
+            .only(
+                "id",
+                "run_id",
+                "priority",
+                "queued_at",
+                "version",
+                "lease_generation",
+                "run__id",
+                "run__project_id",
+                "run__task_id",
+                "run__task_revision__revision",
+                "run__task_revision__executor_type",
+            )
+            .order_by("-priority", "queued_at", "pk")[: limit + 1]
+        )
+        page, more = rows[:limit], len(rows) > limit
+        items = tuple(_candidate(attempt) for attempt in page)
+        next_cursor = None
+        if more:
+            last = page[-1]
+            next_cursor = encode_candidate_cursor(last.priority, last.queued_at, last.pk)
+        return Page(items, next_cursor)
+
+
+def _candidate(attempt: Attempt) -> Candidate:
+    run = attempt.run
+    revision = run.task_revision
+    return Candidate(
+        run_id=str(run.pk),
+        attempt_id=str(attempt.pk),
+        project_id=str(run.project_id),
+        task_id=str(run.task_id),
+        task_revision=revision.revision,
+        executor_type=revision.executor_type,
+        priority=attempt.priority,
+        queued_at=attempt.queued_at,
+        attempt_version=attempt.version,
+        lease_generation=attempt.lease_generation,
+    )
+
+
+# -------------------------------------------------------------------- workers
+
+
+def _active_lease_count() -> Subquery:
+    return Subquery(
+        RunLease.objects.filter(session=OuterRef("pk"), state=LeaseState.ACTIVE)
+        .order_by()
+        .values("session")
+        .annotate(n=Count("id"))
+        .values("n")[:1],
+        output_field=IntegerField(),
+    )
+
+
+class OrmWorkerSnapshotSource:
+    """Current ONLINE Sessions of ACTIVE Workers by worker id (ADR §2 step 3)."""
+
+    def worker_page(
+        self, *, scope: DispatchScope, cursor: str | None, limit: int
+    ) -> Page[WorkerRecord]:
+        _check_limit(limit)
+        after = _id_cursor(cursor)
+        # Draining Sessions/Workers keep their leases but take no new claims,
+        # so they are not in the snapshot at all (only recovery sees them).
+        qs: QuerySet[WorkerSession] = WorkerSession.objects.filter(
+            state=SessionState.ONLINE, worker__admin_state=WorkerAdminState.ACTIVE
+        )
+        if scope.session is not None:
+            session_uuid = _session_uuid(scope)
+            if session_uuid is None or not scope.session.worker_id.isdigit():
+                return Page((), None)
+            # Exactly the authenticated Session, and only while it is still the
+            # generation the request authenticated as (ADR §2 step 8).
+            qs = qs.filter(
+                session_id=session_uuid,
+                worker_id=int(scope.session.worker_id),
+                generation=scope.session.session_generation,
+            )
+        if after is not None:
+            qs = qs.filter(worker_id__gt=after)
+        rows = list(
+            qs.select_related("worker")
+            .only(
+                "id",
+                "session_id",
+                "generation",
+                "executor_types",
+                "labels",
+                "slots",
+                "worker__id",
+                "worker__slots",
+            )
+            # Slot usage in the same query: no per-Session count (no N+1).
+            .annotate(active_leases=Coalesce(_active_lease_count(), 0))
+            .order_by("worker_id")[: limit + 1]
+        )
+        page, more = rows[:limit], len(rows) > limit
+        items = tuple(_worker_record(session) for session in page)
+        return Page(items, str(page[-1].worker_id) if more else None)
+
+
+def _worker_record(session: WorkerSession) -> WorkerRecord:
+    capacity = min(session.slots, session.worker.slots)
+    active: int = session.active_leases  # type: ignore[attr-defined]
+    return WorkerRecord(
+        worker_id=str(session.worker_id),
+        session_id=str(session.session_id),
+        session_generation=session.generation,
+        executor_types=frozenset(str(t) for t in session.executor_types),
+        labels={str(k): str(v) for k, v in dict(session.labels).items()},
+        free_slots=max(0, capacity - active),
+    )
+
+
+# ----------------------------------------------------------------------- plans
+
+
+class OrmPlanSource:
+    """Re-materializes a plan from the Run's pinned revision (ADR §2 step 4, §5).
+
+    One query per plan, and only for the candidate the cycle is about to claim
+    (the core calls `prepare` lazily, ADR 代价与风险: plans stay bounded).
+    """
+
+    def prepare(self, candidate: Candidate) -> DispatchPlan:
+        if not candidate.attempt_id.isdigit() or not candidate.run_id.isdigit():
+            raise PlanUnavailable("not a database id")
+        attempt = (
+            Attempt.objects.select_related("run__task_revision")
+            .filter(pk=int(candidate.attempt_id), run_id=int(candidate.run_id))
+            .first()
+        )
+        if attempt is None:
+            raise PlanUnavailable("the attempt or its run is gone")
+        run = attempt.run
+        revision = run.task_revision
+        # The Run is pinned to one revision; a candidate built from another one
+        # (drift) must not be materialized from whatever is there now.
+        if revision.revision != candidate.task_revision:
+            raise PlanUnavailable("the pinned revision does not match the candidate")
+        try:
+            spec = attempt_spec(attempt=attempt, run=run, revision=revision)
+            placement = validate_placement(revision.placement)
+        except SpecError:
+            # A stored revision the shared validator now refuses cannot be
+            # materialized: fail closed for this candidate (ADR §5).
+            raise PlanUnavailable("the pinned revision is not valid") from None
+        return DispatchPlan(
+            run_id=str(run.pk),
+            attempt_id=str(attempt.pk),
+            project_id=str(run.project_id),
+            task_id=str(run.task_id),
+            task_revision=revision.revision,
+            spec=spec,
+            placement=placement,
+        )
+
+
+def orm_ports() -> DispatchPorts:
+    """The production wiring: ORM sources, the one claim path, the database clock."""
+    return DispatchPorts(
+        recovery=OrmLeaseRecoverySource(),
+        candidates=OrmCandidateSource(),
+        workers=OrmWorkerSnapshotSource(),
+        plans=OrmPlanSource(),
+        claims=DatabaseClaimPort(),
+        clock=DatabaseClock(),
+    )
