@@ -127,6 +127,8 @@ if env_bool("QL_ALLOW_PRELOAD_UNSET", True):
 
 # Request bodies are capped; the worker API enforces its own smaller caps too.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 256 * 1024, minimum=1024)
+# Load balancers probe /healthz over plain HTTP inside the cluster.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
 
 # --- dispatch (DESIGN §3); validated by the qinglong.checks system check -----
 _DISPATCH_DEFAULTS: dict[str, int] = {
@@ -192,7 +194,16 @@ LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
 LOGGING: dict[str, Any] = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # One redaction filter on every handler: no record is written unmasked.
+    "filters": {"redact": {"()": "qinglong.logging.RedactionFilter"}},
+    "formatters": {"json": {"()": "qinglong.logging.JsonFormatter"}},
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "filters": ["redact"],
+            "formatter": "json",
+        }
+    },
     "root": {"handlers": ["console"], "level": "WARNING"},
     "loggers": {
         "qinglong": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
