@@ -210,8 +210,19 @@ class EndKind(enum.StrEnum):
     REVOKE = "revoke"  # regardless of expiry
 
 
-def lease_end(lease_id: int, *, kind: EndKind, reason: str) -> Outcome:
-    """Expire or revoke one active lease and return/lose its Attempt."""
+def lease_end(
+    lease_id: int,
+    *,
+    kind: EndKind,
+    reason: str,
+    only_if_attempt_state: str | None = None,
+) -> Outcome:
+    """Expire or revoke one active lease and return/lose its Attempt.
+
+    `only_if_attempt_state` re-checks, under the row locks, the condition a
+    sweeper selected the lease by (e.g. "still claimed"), so a starting ACK that
+    committed in between is never turned into a lost Attempt.
+    """
     try:
         with transaction.atomic(durable=True):
             chain = _lock_chain(lease_id)
@@ -219,6 +230,11 @@ def lease_end(lease_id: int, *, kind: EndKind, reason: str) -> Outcome:
                 return Outcome.UNCHANGED
             run, attempt, lease = chain
             if lease.state != LeaseState.ACTIVE:
+                return Outcome.UNCHANGED
+            if only_if_attempt_state is not None and (
+                attempt.state != only_if_attempt_state
+                or attempt.lease_generation != lease.lease_generation
+            ):
                 return Outcome.UNCHANGED
             now = db_now()
             if kind is EndKind.EXPIRE and lease.expires_at > now:
@@ -240,8 +256,12 @@ def lease_expire(lease_id: int) -> Outcome:
     return lease_end(lease_id, kind=EndKind.EXPIRE, reason="lease_expired")
 
 
-def lease_revoke(lease_id: int, *, reason: str) -> Outcome:
-    return lease_end(lease_id, kind=EndKind.REVOKE, reason=reason)
+def lease_revoke(
+    lease_id: int, *, reason: str, only_if_attempt_state: str | None = None
+) -> Outcome:
+    return lease_end(
+        lease_id, kind=EndKind.REVOKE, reason=reason, only_if_attempt_state=only_if_attempt_state
+    )
 
 
 def leases_end_for_session(session_pk: int, *, reason: str) -> int:

@@ -1,0 +1,171 @@
+"""Bounded, single-shot sweeps (DESIGN §5), in plain Python.
+
+Celery beat tasks, `manage.py run_dispatcher` and the tests all call these
+functions, so there is one implementation of each sweep. Every sweep reads a
+bounded batch of ids and applies one service per id; the service re-checks its
+condition under row locks and applies a compare-and-set, so two sweeps running
+at once (duplicate beats, a redelivered task, the loop and Celery together)
+just find less to do: by construction they can never double-apply anything,
+nor overwrite a completion (the services refuse to touch a non-active lease).
+
+Each returns a small dict of counts — the only thing a Celery result may carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime, timedelta
+from typing import Final
+
+from django.conf import settings
+from django.db.models import Q
+
+from dispatch.models import DispatchCycle, LeaseState, RunLease
+from dispatch.services import lease_expire, lease_revoke, leases_over_delivered
+from qinglong.clock import db_now
+from runs.models import AttemptState
+from runs.services import Outcome
+from workers.services import session_mark_offline_if_stale, sessions_stale
+
+__all__ = [
+    "SweepCounts",
+    "prune_dispatch_cycles",
+    "run_all_sweeps",
+    "sweep_expired_leases",
+    "sweep_over_delivered_leases",
+    "sweep_stale_sessions",
+]
+
+# Defaults keep one sweep well under a second on either database.
+EXPIRY_PAGE_SIZE: Final = 64
+EXPIRY_MAX_PAGES: Final = 4
+SESSION_BATCH: Final = 64
+PRUNE_BATCH: Final = 500
+PRUNE_MAX_BATCHES: Final = 10
+
+
+@dataclass
+class SweepCounts:
+    examined: int = 0
+    applied: int = 0  # this sweep made the transition
+    unchanged: int = 0  # re-checked under lock: nothing to do any more
+    lost_race: int = 0  # another writer changed the row first
+    truncated: bool = False  # the batch limit was reached; more may remain
+
+    def record(self, outcome: Outcome | bool) -> None:
+        self.examined += 1
+        if outcome is True or outcome is Outcome.APPLIED:
+            self.applied += 1
+        elif outcome is Outcome.LOST_RACE:
+            self.lost_race += 1
+        else:
+            self.unchanged += 1
+
+    def as_dict(self) -> dict[str, int | bool]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _expired_page(now: datetime, after: tuple[datetime, int] | None, limit: int) -> list[tuple]:
+    # Keyset over (expires_at, id) on the partial index runlease_active_expiry:
+    # rows a service left active (lost race, renewed meanwhile) are stepped
+    # over instead of being re-read by every page.
+    qs = RunLease.objects.filter(state=LeaseState.ACTIVE, expires_at__lte=now)
+    if after is not None:
+        last_expiry, last_id = after
+        qs = qs.filter(Q(expires_at__gt=last_expiry) | Q(expires_at=last_expiry, id__gt=last_id))
+    return list(qs.order_by("expires_at", "id").values_list("expires_at", "id")[:limit])
+
+
+def sweep_expired_leases(
+    *, page_size: int = EXPIRY_PAGE_SIZE, max_pages: int = EXPIRY_MAX_PAGES
+) -> SweepCounts:
+    """Expire active leases past `expires_at` by the database clock."""
+    counts = SweepCounts()
+    # One observed "now" for the selection; `lease_expire` re-checks expiry
+    # against its own database "now" under the row locks, so a lease an ACK
+    # renewed in between is left alone.
+    now = db_now()
+    cursor: tuple[datetime, int] | None = None
+    for _ in range(max_pages):
+        rows = _expired_page(now, cursor, page_size)
+        for expires_at, lease_id in rows:
+            counts.record(lease_expire(lease_id))
+            cursor = (expires_at, lease_id)
+        if len(rows) < page_size:
+            return counts
+    counts.truncated = bool(_expired_page(now, cursor, 1))
+    return counts
+
+
+def sweep_stale_sessions(*, limit: int = SESSION_BATCH) -> SweepCounts:
+    """Mark Sessions offline after missed heartbeats (their leases end with them)."""
+    counts = SweepCounts()
+    ids = sessions_stale(now=db_now(), limit=limit)
+    for session_pk in ids:
+        # A CAS that re-checks staleness at write time: a heartbeat that landed
+        # after the read keeps its Session online.
+        counts.record(session_mark_offline_if_stale(session_pk=session_pk))
+    counts.truncated = len(ids) >= limit
+    return counts
+
+
+def sweep_over_delivered_leases(*, max_deliveries: int | None = None) -> SweepCounts:
+    """Revoke claimed leases delivered `max_deliveries` times without a starting ACK."""
+    limit = (
+        int(settings.QINGLONG_DISPATCH["max_deliveries"])
+        if max_deliveries is None
+        else max_deliveries
+    )
+    counts = SweepCounts()
+    ids = leases_over_delivered(max_deliveries=limit)
+    for lease_id in ids:
+        # Still `claimed` is re-checked under the locks: a starting ACK that
+        # won meanwhile must not become a lost Attempt.
+        counts.record(
+            lease_revoke(
+                lease_id, reason="max_deliveries", only_if_attempt_state=AttemptState.CLAIMED
+            )
+        )
+    counts.truncated = len(ids) >= 64
+    return counts
+
+
+def prune_dispatch_cycles(
+    *,
+    retention_s: int | None = None,
+    batch_size: int = PRUNE_BATCH,
+    max_batches: int = PRUNE_MAX_BATCHES,
+) -> SweepCounts:
+    """Delete DispatchCycle rows older than the retention, a bounded id batch at a time."""
+    seconds = int(settings.QINGLONG_CYCLE_RETENTION_S) if retention_s is None else retention_s
+    cutoff = db_now() - timedelta(seconds=seconds)
+    counts = SweepCounts()
+    for _ in range(max_batches):
+        # Small deletes by primary key: no long lock on a big table, and a
+        # concurrent prune just deletes fewer rows.
+        ids = list(
+            DispatchCycle.objects.filter(started_at__lt=cutoff)
+            .order_by("started_at", "id")
+            .values_list("id", flat=True)[:batch_size]
+        )
+        if not ids:
+            return counts
+        deleted, _ = DispatchCycle.objects.filter(pk__in=ids).delete()
+        counts.examined += len(ids)
+        counts.applied += deleted
+        counts.unchanged += len(ids) - deleted
+        if len(ids) < batch_size:
+            return counts
+    counts.truncated = DispatchCycle.objects.filter(started_at__lt=cutoff).exists()
+    return counts
+
+
+def run_all_sweeps() -> dict[str, dict[str, int | bool]]:
+    """Every sweep once, in dependency order: sessions first (their leases end
+    with them), then expiry, then over-delivery, then retention."""
+    return {
+        "stale_sessions": sweep_stale_sessions().as_dict(),
+        "expired_leases": sweep_expired_leases().as_dict(),
+        "over_delivered_leases": sweep_over_delivered_leases().as_dict(),
+        "pruned_cycles": prune_dispatch_cycles().as_dict(),
+    }

@@ -1,0 +1,65 @@
+"""Celery tasks of the cluster deployment (DESIGN §5): one bounded step each.
+
+Tasks take no arguments and return only redacted summaries: the cycle's
+`summary()` or a dict of counts. They never see an offer's spec or token — the
+cycle keeps offers in memory and hands them, content-free, to the notifier.
+"""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from dispatch.core.ports import DispatchScope
+from dispatch.cycles import dispatch_cycle
+from dispatch.notify import RedisOfferNotifier
+from dispatch.sweeps import (
+    prune_dispatch_cycles,
+    sweep_expired_leases,
+    sweep_over_delivered_leases,
+    sweep_stale_sessions,
+)
+
+__all__ = [
+    "dispatch_cycle_task",
+    "prune_dispatch_cycles_task",
+    "sweep_expired_leases_task",
+    "sweep_over_delivered_leases_task",
+    "sweep_stale_sessions_task",
+]
+
+_notifier: RedisOfferNotifier | None = None
+
+
+def _offer_notifier() -> RedisOfferNotifier:
+    # One Redis client per worker process, created on first use.
+    global _notifier
+    if _notifier is None:
+        _notifier = RedisOfferNotifier()
+    return _notifier
+
+
+@shared_task(name="dispatch.tasks.dispatch_cycle_task")
+def dispatch_cycle_task() -> dict[str, object]:
+    """One global dispatch cycle (honours the kill switch; records itself)."""
+    result = dispatch_cycle(scope=DispatchScope.global_(), notifier=_offer_notifier())
+    return result.summary()
+
+
+@shared_task(name="dispatch.tasks.sweep_expired_leases_task")
+def sweep_expired_leases_task() -> dict[str, int | bool]:
+    return sweep_expired_leases().as_dict()
+
+
+@shared_task(name="dispatch.tasks.sweep_stale_sessions_task")
+def sweep_stale_sessions_task() -> dict[str, int | bool]:
+    return sweep_stale_sessions().as_dict()
+
+
+@shared_task(name="dispatch.tasks.sweep_over_delivered_leases_task")
+def sweep_over_delivered_leases_task() -> dict[str, int | bool]:
+    return sweep_over_delivered_leases().as_dict()
+
+
+@shared_task(name="dispatch.tasks.prune_dispatch_cycles_task")
+def prune_dispatch_cycles_task() -> dict[str, int | bool]:
+    return prune_dispatch_cycles().as_dict()
