@@ -8,6 +8,7 @@ directory; `DATABASE_URL=postgres://…` selects PostgreSQL (psycopg 3).
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,17 @@ REST_FRAMEWORK: dict[str, Any] = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
+    # One error envelope for every API failure (DESIGN §4).
+    "EXCEPTION_HANDLER": "qinglong.api_errors.api_exception_handler",
+    # Worker pull / session open, keyed by Session / Worker (workers.api.throttles).
+    "DEFAULT_THROTTLE_RATES": {
+        "worker_pull": env_str("QL_THROTTLE_WORKER_PULL", "600/min"),
+        "worker_session_open": env_str("QL_THROTTLE_WORKER_SESSION_OPEN", "30/min"),
+    },
 }
+for _scope, _rate in REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"].items():
+    if not re.fullmatch(r"[1-9][0-9]*/(s|sec|m|min|h|hour|d|day)", _rate):
+        raise ImproperlyConfigured(f"throttle rate for {_scope} must look like 600/min")
 if DEBUG:
     REST_FRAMEWORK["DEFAULT_RENDERER_CLASSES"].append(
         "rest_framework.renderers.BrowsableAPIRenderer"
@@ -179,6 +190,17 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    # One named enum per state machine in the schema (no "State982Enum").
+    "ENUM_NAME_OVERRIDES": {
+        "RunStateEnum": "runs.models.RunState",
+        "AttemptStateEnum": "runs.models.AttemptState",
+        "LeaseStateEnum": "dispatch.models.LeaseState",
+        "CurrentSessionStateEnum": ["online", "draining"],
+    },
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "qinglong.api_schema.close_request_bodies",
+    ],
 }
 
 # --- Celery (cluster deployment; the embedded default runs without it) ------

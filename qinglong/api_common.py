@@ -1,0 +1,176 @@
+"""Building blocks shared by the Worker and the operator APIs.
+
+- `CappedJSONParser`: reads at most the view's byte cap, then parses strictly
+  (no NaN/Infinity, no duplicate keys: two readers must never disagree on what
+  a body says).
+- `ApiView`: checks Content-Length against the cap before anything else.
+- `StrictSerializer` and strict fields: unknown fields are a 400 (DESIGN §4,
+  "never silently applied"), and values are never coerced ("5" is not 5).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from django.conf import settings
+from rest_framework import serializers
+from rest_framework.exceptions import ErrorDetail, ParseError, ValidationError
+from rest_framework.parsers import JSONParser
+from rest_framework.request import Request
+from rest_framework.views import APIView
+
+from qinglong.api_errors import PayloadTooLarge
+
+
+def operator_body_limit() -> int:
+    return int(settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError("duplicate key")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError("NaN and Infinity are not JSON")
+
+
+class CappedJSONParser(JSONParser):
+    """JSON parser that never reads more than the view's `max_body_bytes` (+1)."""
+
+    def parse(
+        self,
+        stream: Any,
+        media_type: str | None = None,
+        parser_context: Mapping[str, Any] | None = None,
+    ) -> Any:
+        view = (parser_context or {}).get("view")
+        limit = getattr(view, "max_body_bytes", None) or operator_body_limit()
+        raw = stream.read(limit + 1) if stream is not None else b""
+        # Content-Length may lie (or be absent behind a proxy): count what arrives.
+        if len(raw) > limit:
+            raise PayloadTooLarge()
+        try:
+            text = raw.decode("utf-8")
+            return json.loads(
+                text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
+            )
+        except (UnicodeDecodeError, ValueError):
+            raise ParseError() from None
+
+
+class ApiView(APIView):
+    """Base view: JSON only, byte-capped bodies."""
+
+    parser_classes = [CappedJSONParser]
+    # Overridden per API; the operator default follows DATA_UPLOAD_MAX_MEMORY_SIZE.
+    max_body_bytes: ClassVar[int | None] = None
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        limit = self.max_body_bytes or operator_body_limit()
+        raw_length = request.META.get("CONTENT_LENGTH") or "0"
+        try:
+            length = int(raw_length)
+        except ValueError:
+            length = 0
+        # Refuse before reading a byte of an announced oversize body.
+        if length > limit:
+            raise PayloadTooLarge()
+        super().initial(request, *args, **kwargs)
+
+
+def unknown_field_error(keys: set[str]) -> ValidationError:
+    return ValidationError(
+        {key: [ErrorDetail("unknown field", code="unknown_field")] for key in sorted(keys)}
+    )
+
+
+class StrictSerializer(serializers.Serializer):
+    """A request serializer that rejects fields it does not declare."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            writable = {name for name, field in self.fields.items() if not field.read_only}
+            unknown = {str(key) for key in data} - writable
+            if unknown:
+                raise unknown_field_error(unknown)
+        return super().to_internal_value(data)
+
+    def create(self, validated_data: Any) -> Any:  # pragma: no cover - never saved
+        raise NotImplementedError("request serializers only validate; services write")
+
+    def update(self, instance: Any, validated_data: Any) -> Any:  # pragma: no cover
+        raise NotImplementedError("request serializers only validate; services write")
+
+
+class StrictCharField(serializers.CharField):
+    """A string, exactly: numbers are not silently turned into text."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return str(super().to_internal_value(data))
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """An integer, exactly: not a bool, a float or a numeric string."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return int(super().to_internal_value(data))
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """true or false, exactly: not 1, "yes" or "true"."""
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
+
+
+class StrictUUIDField(serializers.UUIDField):
+    """A UUID in its string form (DESIGN §4: ids are strings)."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, str):
+            self.fail("invalid", value="")
+        return super().to_internal_value(data)
+
+
+class StrictChoiceField(serializers.ChoiceField):
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, str):
+            self.fail("invalid_choice", input="")
+        return super().to_internal_value(data)
+
+
+class ErrorSerializer(serializers.Serializer):
+    code = serializers.CharField(help_text="Low-cardinality machine-readable error code.")
+    message = serializers.CharField(help_text="Human-readable text; never echoes request values.")
+
+
+class ErrorEnvelopeSerializer(serializers.Serializer):
+    """`{"error": {"code", "message"}}` — every API failure has this shape."""
+
+    error = ErrorSerializer()
+
+
+def validated(serializer_class: type[serializers.Serializer], data: Any) -> dict[str, Any]:
+    """Validate a request body; a non-object body is a 400, not a crash."""
+    if not isinstance(data, Mapping):
+        raise ValidationError({"body": [ErrorDetail("must be a JSON object", code="not_object")]})
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)

@@ -1,0 +1,136 @@
+"""Reads of the operator API: Projects, Runs with Attempts and redacted lease facts.
+
+Each function returns plain JSON-able dicts built field by field from an allow
+list, so a new model field (or the pinned spec) can never leak by accident.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+from typing import Any
+
+from dispatch.core.ports import to_rfc3339
+from dispatch.models import RunLease
+from runs.models import Attempt, Project, Run
+
+MAX_PAGE = 100
+TOKEN_DIGEST_PREFIX_CHARS = 8
+
+
+def _time(value: datetime | None) -> str | None:
+    return None if value is None else to_rfc3339(value)
+
+
+def project_json(project: Project) -> dict[str, Any]:
+    return {
+        "id": str(project.pk),
+        "slug": project.slug,
+        "name": project.name,
+        "max_concurrent_runs": project.max_concurrent_runs,
+        "created_at": _time(project.created_at),
+    }
+
+
+def project_page(*, cursor: str | None, limit: int) -> tuple[list[dict[str, Any]], str | None]:
+    """Keyset page by slug (unique): stable under concurrent inserts."""
+    qs = Project.objects.order_by("slug")
+    if cursor is not None:
+        qs = qs.filter(slug__gt=cursor)
+    rows = list(qs[: limit + 1])
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return [project_json(p) for p in rows], (rows[-1].slug if more and rows else None)
+
+
+def _run_summary(run: Run) -> dict[str, Any]:
+    return {
+        "id": str(run.pk),
+        "project": run.project.slug,
+        "task": run.task.name,
+        "task_revision": run.task_revision.revision,
+        "state": run.state,
+        "priority": run.priority,
+        "cancel_requested": run.cancel_requested,
+        "queued_at": _time(run.queued_at),
+        "created_at": _time(run.created_at),
+        "finished_at": _time(run.finished_at),
+    }
+
+
+def _lease_json(lease: RunLease) -> dict[str, Any]:
+    return {
+        "lease_id": str(lease.pk),
+        "state": lease.state,
+        "generation": lease.lease_generation,
+        "source": lease.source,
+        "worker_id": str(lease.worker_id),
+        "session_generation": lease.session_generation,
+        "claimed_at": _time(lease.claimed_at),
+        "expires_at": _time(lease.expires_at),
+        "ended_at": _time(lease.ended_at),
+        "end_reason": lease.end_reason,
+        "delivery_count": lease.delivery_count,
+        "token_digest_prefix": lease.token_digest[:TOKEN_DIGEST_PREFIX_CHARS],
+    }
+
+
+def _attempt_json(attempt: Attempt, leases: list[RunLease]) -> dict[str, Any]:
+    return {
+        "id": str(attempt.pk),
+        "number": attempt.number,
+        "state": attempt.state,
+        "lease_generation": attempt.lease_generation,
+        "executor_handle": attempt.executor_handle,
+        "exit_code": attempt.exit_code,
+        "error_code": attempt.error_code,
+        "created_at": _time(attempt.created_at),
+        "started_at": _time(attempt.started_at),
+        "finished_at": _time(attempt.finished_at),
+        "leases": [_lease_json(lease) for lease in leases],
+    }
+
+
+def _runs() -> Any:
+    # select_related only the identity columns: never the revision's definition.
+    return Run.objects.select_related("project", "task", "task_revision").only(
+        "id",
+        "state",
+        "priority",
+        "cancel_requested",
+        "queued_at",
+        "created_at",
+        "finished_at",
+        "project__slug",
+        "task__name",
+        "task_revision__revision",
+    )
+
+
+def run_detail(run_id: int) -> dict[str, Any] | None:
+    run = _runs().filter(pk=run_id).first()
+    if run is None:
+        return None
+    leases: dict[int, list[RunLease]] = defaultdict(list)
+    for lease in RunLease.objects.filter(run_id=run.pk).order_by("lease_generation", "id"):
+        leases[lease.attempt_id].append(lease)
+    attempts = Attempt.objects.filter(run_id=run.pk).order_by("number")
+    return {
+        **_run_summary(run),
+        "attempts": [_attempt_json(a, leases[a.pk]) for a in attempts],
+    }
+
+
+def run_page(
+    *, state: str | None, cursor: int | None, limit: int
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Keyset page, newest first (index run_state_id serves the state filter)."""
+    qs = _runs().order_by("-id")
+    if state is not None:
+        qs = qs.filter(state=state)
+    if cursor is not None:
+        qs = qs.filter(id__lt=cursor)
+    rows = list(qs[: limit + 1])
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return [_run_summary(r) for r in rows], (str(rows[-1].pk) if more and rows else None)

@@ -1,0 +1,162 @@
+"""Operator API bodies (DESIGN §4 "Operator API").
+
+Task definitions are validated only by `runs.services` (the one shared
+validator); `TaskDefinitionRequestSerializer` documents their shape for
+OpenAPI and is never used to validate. Run and lease facts are redacted: no
+spec, command, env, cwd or token ever appears here.
+"""
+
+from __future__ import annotations
+
+from django.core.validators import RegexValidator
+from rest_framework import serializers
+
+from dispatch.core.spec import ENV_KEY_RE, EXECUTOR_TYPE_RE
+from dispatch.models import LeaseSource, LeaseState
+from qinglong.api_common import StrictCharField, StrictIntegerField, StrictSerializer
+from runs.models import AttemptState, RunState
+
+SLUG_RE = r"^[-a-zA-Z0-9_]+$"
+_PG_INT_MAX = 2**31 - 1
+
+
+class ProjectCreateRequestSerializer(StrictSerializer):
+    slug = StrictCharField(max_length=64, validators=[RegexValidator(SLUG_RE)])
+    name = StrictCharField(max_length=200)
+    max_concurrent_runs = StrictIntegerField(
+        min_value=0, max_value=_PG_INT_MAX, required=False, help_text="0 = no limit."
+    )
+
+
+class ProjectSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    slug = serializers.CharField()
+    name = serializers.CharField()
+    max_concurrent_runs = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+
+
+class ProjectPageSerializer(serializers.Serializer):
+    results = ProjectSerializer(many=True)
+    next_cursor = serializers.CharField(allow_null=True)
+
+
+# ------------------------------------------------------------ task (docs only)
+
+
+class ResourcesRequestSerializer(serializers.Serializer):
+    cpu_millis = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
+    memory_mb = serializers.IntegerField(min_value=0, max_value=10_000_000, required=False)
+
+
+class PreferredTermRequestSerializer(serializers.Serializer):
+    labels = serializers.DictField(child=serializers.CharField(max_length=63))
+    weight = serializers.IntegerField(min_value=0, max_value=1000)
+
+
+class PlacementRequestSerializer(serializers.Serializer):
+    executor_type = serializers.CharField(required=False, allow_null=True)
+    required_labels = serializers.DictField(
+        child=serializers.CharField(max_length=63), required=False
+    )
+    preferred = PreferredTermRequestSerializer(many=True, required=False)
+
+
+class _DefinitionFields(serializers.Serializer):
+    executor_type = serializers.CharField(
+        max_length=32, validators=[RegexValidator(EXECUTOR_TYPE_RE)]
+    )
+    command = serializers.ListField(
+        child=serializers.CharField(max_length=4096, allow_blank=True),
+        min_length=1,
+        max_length=256,
+        help_text="argv; never shown by the runs endpoints.",
+    )
+    cwd = serializers.CharField(max_length=1024, required=False, allow_null=True)
+    env = serializers.DictField(
+        child=serializers.CharField(allow_blank=True, max_length=32768),
+        required=False,
+        help_text=f"Variable names match {ENV_KEY_RE}; never shown by the runs endpoints.",
+    )
+    timeout_s = serializers.IntegerField(min_value=1, max_value=604800, required=False)
+    resources = ResourcesRequestSerializer(required=False)
+    placement = PlacementRequestSerializer(required=False)
+    max_attempts = serializers.IntegerField(min_value=1, max_value=100, required=False)
+
+
+class TaskCreateRequestSerializer(_DefinitionFields):
+    name = serializers.SlugField(max_length=100)
+
+
+class TaskDefinitionRequestSerializer(_DefinitionFields):
+    """PUT body: the full new definition (a new revision)."""
+
+
+class TaskSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    project = serializers.CharField(help_text="Project slug.")
+    name = serializers.CharField()
+    revision = serializers.IntegerField(help_text="The current revision number.")
+    executor_type = serializers.CharField()
+
+
+# ----------------------------------------------------------------------- runs
+
+
+class RunCreateRequestSerializer(StrictSerializer):
+    project = StrictCharField(max_length=64, help_text="Project slug.")
+    task = StrictCharField(max_length=100, help_text="Task name.")
+    priority = StrictIntegerField(min_value=-1000, max_value=1000, required=False, default=0)
+
+
+class LeaseFactsSerializer(serializers.Serializer):
+    lease_id = serializers.CharField()
+    state = serializers.ChoiceField(choices=LeaseState.choices)
+    generation = serializers.IntegerField()
+    source = serializers.ChoiceField(choices=[s.value for s in LeaseSource])  # type: ignore[assignment]  # a field named like Field.source
+    worker_id = serializers.CharField()
+    session_generation = serializers.IntegerField()
+    claimed_at = serializers.DateTimeField()
+    expires_at = serializers.DateTimeField()
+    ended_at = serializers.DateTimeField(allow_null=True)
+    end_reason = serializers.CharField(allow_blank=True)
+    delivery_count = serializers.IntegerField()
+    token_digest_prefix = serializers.CharField(
+        help_text="First 8 hex characters of SHA-256(token): enough to tell leases apart."
+    )
+
+
+class AttemptSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    number = serializers.IntegerField()
+    state = serializers.ChoiceField(choices=AttemptState.choices)
+    lease_generation = serializers.IntegerField()
+    executor_handle = serializers.CharField(allow_blank=True)
+    exit_code = serializers.IntegerField(allow_null=True)
+    error_code = serializers.CharField(allow_blank=True)
+    created_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+    leases = LeaseFactsSerializer(many=True)
+
+
+class RunSummarySerializer(serializers.Serializer):
+    id = serializers.CharField()
+    project = serializers.CharField(help_text="Project slug.")
+    task = serializers.CharField(help_text="Task name.")
+    task_revision = serializers.IntegerField()
+    state = serializers.ChoiceField(choices=RunState.choices)
+    priority = serializers.IntegerField()
+    cancel_requested = serializers.BooleanField()
+    queued_at = serializers.DateTimeField()
+    created_at = serializers.DateTimeField()
+    finished_at = serializers.DateTimeField(allow_null=True)
+
+
+class RunDetailSerializer(RunSummarySerializer):
+    attempts = AttemptSerializer(many=True)
+
+
+class RunPageSerializer(serializers.Serializer):
+    results = RunSummarySerializer(many=True)
+    next_cursor = serializers.CharField(allow_null=True)

@@ -1,0 +1,20 @@
+"""Operator API routes, mounted at /api/v1/ (DESIGN §4 "Operator API")."""
+
+from __future__ import annotations
+
+from django.urls import path, re_path
+
+from runs.api import views
+
+app_name = "operator-api"
+
+urlpatterns = [
+    path("projects", views.ProjectsView.as_view(), name="projects"),
+    path("projects/<slug:slug>/tasks", views.TasksView.as_view(), name="tasks"),
+    path("projects/<slug:slug>/tasks/<slug:name>", views.TaskView.as_view(), name="task"),
+    path("runs", views.RunsView.as_view(), name="runs"),
+    re_path(r"^runs/(?P<run_id>[0-9]{1,18})$", views.RunView.as_view(), name="run"),
+    re_path(
+        r"^runs/(?P<run_id>[0-9]{1,18})/cancel$", views.RunCancelView.as_view(), name="run-cancel"
+    ),
+]

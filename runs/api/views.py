@@ -1,0 +1,318 @@
+"""Operator API views (DESIGN §4): Projects, Tasks, Runs; thin over runs.services.
+
+Auth: DRF Token (automation) or the admin's session; staff only. Worker
+credentials are Bearer secrets and are never accepted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import IntegrityError
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers, status
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.exceptions import ErrorDetail, ValidationError
+from rest_framework.permissions import IsAdminUser
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from qinglong.api_common import ApiView, StrictSerializer, validated
+from qinglong.api_errors import ApiError, safe_field_name
+from qinglong.api_schema import error_responses, retry_after
+from runs.api.selectors import MAX_PAGE, project_json, project_page, run_detail, run_page
+from runs.api.serializers import (
+    ProjectCreateRequestSerializer,
+    ProjectPageSerializer,
+    ProjectSerializer,
+    RunCreateRequestSerializer,
+    RunDetailSerializer,
+    RunPageSerializer,
+    TaskCreateRequestSerializer,
+    TaskDefinitionRequestSerializer,
+    TaskSerializer,
+)
+from runs.models import Project, Run, RunState, Task
+from runs.services import (
+    DefinitionError,
+    Outcome,
+    project_create,
+    run_cancel,
+    run_enqueue,
+    task_create,
+    task_update,
+)
+
+_CANCEL_RETRIES = 3
+
+
+def _not_found() -> ApiError:
+    return ApiError(status_code=404, code="not_found", message="not found")
+
+
+def _definition_error(field: str, message: str) -> ApiError:
+    return ApiError(
+        status_code=400,
+        code="invalid_definition",
+        message=f"{safe_field_name(field)}: {message}",
+    )
+
+
+def _model_error(err: DjangoValidationError) -> ApiError:
+    """A model's full_clean() failure: name the fields, never the values."""
+    by_field = getattr(err, "error_dict", {"body": err.error_list})
+    codes = {(field, e.code or "invalid") for field, errs in by_field.items() for e in errs}
+    if any(code in ("unique", "unique_together") for _, code in codes):
+        return ApiError(status_code=409, code="already_exists", message="it already exists")
+    fields = sorted({safe_field_name(f if f != "__all__" else "body") for f, _ in codes})
+    return ApiError(
+        status_code=400, code="invalid_request", message="invalid: " + ", ".join(fields)
+    )
+
+
+def _object_body(data: Any) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ValidationError({"body": [ErrorDetail("must be a JSON object", code="not_object")]})
+    return dict(data)
+
+
+def _query(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:
+    params = request.query_params
+    if any(len(params.getlist(key)) > 1 for key in params):
+        raise ValidationError({"query": [ErrorDetail("repeated parameter", code="repeated")]})
+    return validated(serializer_class, {key: params.get(key) for key in params})
+
+
+def _project(slug: str) -> Project:
+    project = Project.objects.filter(slug=slug).first()
+    if project is None:
+        raise _not_found()
+    return project
+
+
+def _task_json(task: Task) -> dict[str, Any]:
+    revision = task.current_revision
+    assert revision is not None
+    return {
+        "id": str(task.pk),
+        "project": task.project.slug,
+        "name": task.name,
+        "revision": revision.revision,
+        "executor_type": revision.executor_type,
+    }
+
+
+class OperatorApiView(ApiView):
+    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    permission_classes = [IsAdminUser]
+
+    @staticmethod
+    def actor(request: Request) -> str:
+        return f"operator:{getattr(request.user, 'username', '')}"
+
+
+# ------------------------------------------------------------------- projects
+
+
+class ProjectListQuerySerializer(StrictSerializer):
+    cursor = serializers.CharField(required=False, max_length=64)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=MAX_PAGE, default=50)
+
+
+class ProjectsView(OperatorApiView):
+    @extend_schema(
+        operation_id="projects_list",
+        tags=["operator"],
+        parameters=[ProjectListQuerySerializer, retry_after()],
+        responses={200: ProjectPageSerializer, **error_responses()},
+    )
+    def get(self, request: Request) -> Response:
+        query = _query(ProjectListQuerySerializer, request)
+        results, next_cursor = project_page(cursor=query.get("cursor"), limit=query["limit"])
+        return Response({"results": results, "next_cursor": next_cursor})
+
+    @extend_schema(
+        operation_id="projects_create",
+        tags=["operator"],
+        request=ProjectCreateRequestSerializer,
+        responses={201: ProjectSerializer, **error_responses(409)},
+        parameters=[retry_after()],
+    )
+    def post(self, request: Request) -> Response:
+        body = validated(ProjectCreateRequestSerializer, request.data)
+        try:
+            project = project_create(
+                slug=body["slug"],
+                name=body["name"],
+                max_concurrent_runs=body.get("max_concurrent_runs", 0),
+            )
+        except DjangoValidationError as err:
+            raise _model_error(err) from None
+        except IntegrityError:
+            raise ApiError(
+                status_code=409, code="already_exists", message="it already exists"
+            ) from None
+        return Response(project_json(project), status=status.HTTP_201_CREATED)
+
+
+# ---------------------------------------------------------------------- tasks
+
+
+class TasksView(OperatorApiView):
+    @extend_schema(
+        operation_id="tasks_create",
+        summary="Create a Task (revision 1)",
+        description="The definition is validated by the one shared validator; an error "
+        "names the field (`invalid_definition`), never the value.",
+        tags=["operator"],
+        request=TaskCreateRequestSerializer,
+        responses={201: TaskSerializer, **error_responses(404, 409)},
+        parameters=[retry_after()],
+    )
+    def post(self, request: Request, slug: str) -> Response:
+        project = _project(slug)
+        definition = _object_body(request.data)
+        name = definition.pop("name", None)
+        if not isinstance(name, str):
+            raise _definition_error("name", "is required and must be a string")
+        try:
+            task = task_create(project=project, name=name, definition=definition)
+        except DefinitionError as err:
+            raise _definition_error(err.field, err.message) from None
+        except DjangoValidationError as err:
+            raise _model_error(err) from None
+        except IntegrityError:
+            raise ApiError(
+                status_code=409, code="already_exists", message="it already exists"
+            ) from None
+        return Response(_task_json(task), status=status.HTTP_201_CREATED)
+
+
+class TaskView(OperatorApiView):
+    @extend_schema(
+        operation_id="tasks_update",
+        summary="Edit a Task: the body becomes a new immutable revision",
+        description="Runs already enqueued keep the revision they were pinned to.",
+        tags=["operator"],
+        request=TaskDefinitionRequestSerializer,
+        responses={200: TaskSerializer, **error_responses(404)},
+        parameters=[retry_after()],
+    )
+    def put(self, request: Request, slug: str, name: str) -> Response:
+        task = Task.objects.select_related("project").filter(project__slug=slug, name=name).first()
+        if task is None:
+            raise _not_found()
+        definition = _object_body(request.data)
+        try:
+            task_update(task=task, definition=definition)
+        except DefinitionError as err:
+            raise _definition_error(err.field, err.message) from None
+        return Response(_task_json(task))
+
+
+# ----------------------------------------------------------------------- runs
+
+
+class RunListQuerySerializer(StrictSerializer):
+    state = serializers.ChoiceField(choices=RunState.choices, required=False)
+    cursor = serializers.RegexField(
+        r"^[0-9]{1,18}$", required=False, help_text="`next_cursor` of the previous page."
+    )
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=MAX_PAGE, default=50)
+
+
+class RunsView(OperatorApiView):
+    @extend_schema(
+        operation_id="runs_list",
+        summary="Runs, newest first (keyset-paginated)",
+        tags=["operator"],
+        parameters=[RunListQuerySerializer, retry_after()],
+        responses={200: RunPageSerializer, **error_responses()},
+    )
+    def get(self, request: Request) -> Response:
+        query = _query(RunListQuerySerializer, request)
+        cursor = query.get("cursor")
+        results, next_cursor = run_page(
+            state=query.get("state"),
+            cursor=None if cursor is None else int(cursor),
+            limit=query["limit"],
+        )
+        return Response({"results": results, "next_cursor": next_cursor})
+
+    @extend_schema(
+        operation_id="runs_create",
+        summary="Enqueue a Run pinned to the Task's current revision",
+        tags=["operator"],
+        request=RunCreateRequestSerializer,
+        responses={201: RunDetailSerializer, **error_responses(404)},
+        parameters=[retry_after()],
+    )
+    def post(self, request: Request) -> Response:
+        body = validated(RunCreateRequestSerializer, request.data)
+        task = (
+            Task.objects.filter(project__slug=body["project"], name=body["task"])
+            .select_related("project")
+            .first()
+        )
+        if task is None:
+            raise _not_found()
+        try:
+            run = run_enqueue(task=task, priority=body.get("priority", 0))
+        except DefinitionError as err:
+            raise _definition_error(err.field, err.message) from None
+        return Response(run_detail(run.pk), status=status.HTTP_201_CREATED)
+
+
+_RUN_ID = OpenApiParameter(
+    "run_id", OpenApiTypes.STR, location=OpenApiParameter.PATH, pattern=r"^[0-9]{1,18}$"
+)
+
+
+class RunView(OperatorApiView):
+    @extend_schema(
+        operation_id="runs_retrieve",
+        summary="A Run with its Attempts and redacted lease facts (never the spec)",
+        tags=["operator"],
+        parameters=[_RUN_ID, retry_after()],
+        responses={200: RunDetailSerializer, **error_responses(404)},
+    )
+    def get(self, request: Request, run_id: str) -> Response:
+        detail = run_detail(int(run_id))
+        if detail is None:
+            raise _not_found()
+        return Response(detail)
+
+
+class EmptyRequestSerializer(StrictSerializer):
+    """An empty object (or no body at all)."""
+
+
+class RunCancelView(OperatorApiView):
+    @extend_schema(
+        operation_id="runs_cancel",
+        summary="Cancel a Run (idempotent)",
+        description="Not yet started: cancelled at once. Started: `cancel_requested` rides "
+        "on the Worker's heartbeat and ACK responses; its terminal ACK ends the Run "
+        "`cancelled`.",
+        tags=["operator"],
+        request=EmptyRequestSerializer,
+        parameters=[_RUN_ID, retry_after()],
+        responses={200: RunDetailSerializer, **error_responses(404, 409)},
+    )
+    def post(self, request: Request, run_id: str) -> Response:
+        validated(EmptyRequestSerializer, request.data)
+        run = Run.objects.filter(pk=int(run_id)).first()
+        if run is None:
+            raise _not_found()
+        for _ in range(_CANCEL_RETRIES):
+            # A lost race means another writer moved the Run first: look again.
+            if run_cancel(run=run, actor=self.actor(request)) is not Outcome.LOST_RACE:
+                break
+        else:
+            raise ApiError(
+                status_code=409, code="conflict", message="the run changed concurrently; retry"
+            )
+        return Response(run_detail(run.pk))

@@ -1,0 +1,94 @@
+"""The pull use case of the Worker API: guard the pull id, cap, run one cycle.
+
+DESIGN §4 / ADR-0108: the Worker sends a `pull_id` and a fresh lease token.
+Repeating the same pair rebuilds the same response from the durable lease
+(session-scope recovery echoes the token); the same `pull_id` with another
+token is a 409 and runs no cycle at all.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from dispatch.core.offer import ClaimedExecutionOffer, token_digest, tokens_equal
+from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
+from dispatch.core.result import CycleReason, CycleStatus
+from dispatch.cycles import dispatch_cycle
+from dispatch.models import LeaseState, RunLease
+from runs.models import AttemptState
+from workers.models import WorkerSession
+
+
+class PullIdConflict(Exception):
+    """This Session already used the pull id with another lease token."""
+
+
+@dataclass(frozen=True, repr=False)
+class PullResult:
+    offers: tuple[ClaimedExecutionOffer, ...]
+    status: str
+    reason: str
+    truncated: bool
+
+    def __repr__(self) -> str:
+        # Offers hold specs and tokens: only counts may be shown.
+        return f"PullResult(status={self.status!r}, offers={len(self.offers)})"
+
+
+def _pull_id_conflicts(session: WorkerSession, *, pull_id: uuid.UUID, lease_token: str) -> bool:
+    digest = token_digest(lease_token)
+    digests = RunLease.objects.filter(session=session, pull_id=pull_id).values_list(
+        "token_digest", flat=True
+    )
+    # Constant time per comparison: response timing must not leak a digest.
+    return any(not tokens_equal(digest, stored) for stored in digests)
+
+
+def session_free_slots(session: WorkerSession) -> int:
+    """Slots not taken by started work.
+
+    Claimed-but-not-started leases are not subtracted: the pull re-delivers
+    them (recovery) and they must fit in the response; the claim itself still
+    counts every active lease against the Session's capacity.
+    """
+    capacity = min(session.slots, session.worker.slots)
+    started = RunLease.objects.filter(
+        session=session,
+        state=LeaseState.ACTIVE,
+        attempt__state__in=(AttemptState.STARTING, AttemptState.RUNNING),
+    ).count()
+    return max(0, capacity - started)
+
+
+def worker_pull(
+    *, session: WorkerSession, pull_id: uuid.UUID, lease_token: str, max_offers: int
+) -> PullResult:
+    if _pull_id_conflicts(session, pull_id=pull_id, lease_token=lease_token):
+        raise PullIdConflict
+    cap = min(max_offers, session_free_slots(session))
+    if cap < 1:
+        return PullResult(
+            offers=(),
+            status=str(CycleStatus.NO_MATCH),
+            reason=str(CycleReason.NO_FREE_SLOTS),
+            truncated=False,
+        )
+    result = dispatch_cycle(
+        scope=DispatchScope.for_session(
+            SessionRef(
+                worker_id=str(session.worker_id),
+                session_id=str(session.session_id),
+                session_generation=session.generation,
+            )
+        ),
+        pull=PullCredential(pull_id=str(pull_id), token=lease_token),
+        max_offers=cap,
+        session_pk=session.pk,
+    )
+    return PullResult(
+        offers=result.offers,
+        status=str(result.status),
+        reason=str(result.reason),
+        truncated=result.truncated,
+    )

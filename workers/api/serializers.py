@@ -1,0 +1,236 @@
+"""Request and response bodies of the Worker API (DESIGN §4 wire format).
+
+Request serializers only check shape and types (strictly: unknown fields are a
+400); the rules live in the services and `dispatch.core`, so there is never a
+second validator. Response serializers document the wire format for OpenAPI;
+the views emit the exact dictionaries the services and offers produce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.validators import RegexValidator
+from rest_framework import serializers
+
+from dispatch.core.result import CycleReason, CycleStatus
+from dispatch.services import AckPhase
+from qinglong.api_common import (
+    StrictBooleanField,
+    StrictCharField,
+    StrictChoiceField,
+    StrictIntegerField,
+    StrictSerializer,
+    StrictUUIDField,
+)
+from runs.models import AttemptState, RunState
+from workers.models import SessionState
+from workers.services import MAX_EXECUTOR_TYPES, MAX_SLOTS
+
+# ADR-0108: a fresh high-entropy token chosen by the Worker, base64url
+# (32 random bytes encode to 43 characters).
+LEASE_TOKEN_RE = r"^[A-Za-z0-9_-]{43,128}$"
+SPEC_SHA256_RE = r"^[0-9a-f]{64}$"
+OFFER_ID_RE = r"^[0-9a-f]{64}$"
+MAX_OUTPUT_TAIL_BYTES = 64 * 1024
+MAX_OFFERS_PER_PULL = 16
+_INT32 = 2**31
+
+
+def lease_token_field(**kwargs: Any) -> StrictCharField:
+    return StrictCharField(
+        min_length=43,
+        max_length=128,
+        validators=[RegexValidator(LEASE_TOKEN_RE)],
+        help_text="base64url, 43 to 128 characters.",
+        **kwargs,
+    )
+
+
+# ----------------------------------------------------------------- sessions
+
+
+class SessionOpenRequestSerializer(StrictSerializer):
+    executor_types = serializers.ListField(
+        child=StrictCharField(max_length=32),
+        min_length=1,
+        max_length=MAX_EXECUTOR_TYPES,
+        help_text="Executor types this Session runs; a subset of the enrolled ones.",
+    )
+    labels = serializers.DictField(
+        child=StrictCharField(max_length=63),
+        required=False,
+        help_text="Labels advertised by this Session (merged over the enrolled labels).",
+    )
+    slots = StrictIntegerField(
+        min_value=1, max_value=MAX_SLOTS, help_text="Capped by the enrolled slot count."
+    )
+    agent_version = StrictCharField(max_length=64, required=False, allow_blank=True)
+
+
+class SessionOpenResponseSerializer(serializers.Serializer):
+    session_id = serializers.UUIDField()
+    generation = serializers.IntegerField()
+    session_token = serializers.CharField(help_text="Shown once; send as `Bearer` on every call.")
+    heartbeat_interval_s = serializers.IntegerField()
+    lease_ttl_s = serializers.IntegerField()
+
+
+# ---------------------------------------------------------------- heartbeat
+
+
+class HeartbeatRequestSerializer(StrictSerializer):
+    draining = StrictBooleanField(
+        required=False, help_text="true: keep my leases, send me no new claims."
+    )
+
+
+class HeartbeatResponseSerializer(serializers.Serializer):
+    session_state = serializers.ChoiceField(
+        choices=[SessionState.ONLINE.value, SessionState.DRAINING.value]
+    )
+    cancel = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="Offer ids of this Session's leases whose Run was cancelled: stop them.",
+    )
+    server_time = serializers.DateTimeField()
+
+
+# --------------------------------------------------------------------- pull
+
+
+class PullRequestSerializer(StrictSerializer):
+    pull_id = StrictUUIDField(
+        help_text="Idempotency key: repeat it with the same lease_token after a lost response."
+    )
+    lease_token = lease_token_field()
+    max_offers = StrictIntegerField(
+        min_value=1, max_value=MAX_OFFERS_PER_PULL, required=False, default=1
+    )
+
+
+class ResourcesSerializer(serializers.Serializer):
+    cpu_millis = serializers.IntegerField()
+    memory_mb = serializers.IntegerField()
+
+
+class ExecutionSpecSerializer(serializers.Serializer):
+    spec_version = serializers.IntegerField()
+    run_id = serializers.CharField()
+    attempt_id = serializers.CharField()
+    project_id = serializers.CharField()
+    task_id = serializers.CharField()
+    task_revision = serializers.IntegerField()
+    executor_type = serializers.CharField()
+    command = serializers.ListField(child=serializers.CharField(allow_blank=True))
+    cwd = serializers.CharField(allow_null=True)
+    env = serializers.DictField(child=serializers.CharField(allow_blank=True))
+    timeout_s = serializers.IntegerField()
+    resources = ResourcesSerializer()
+
+
+class LeaseGrantSerializer(serializers.Serializer):
+    lease_id = serializers.CharField()
+    generation = serializers.IntegerField()
+    token = serializers.CharField(
+        allow_null=True,
+        help_text=(
+            "The lease token: the one this pull presented (new claim or same pull_id "
+            "replayed), a server-derived one for global claims, or null for a re-delivery "
+            "of a lease claimed by another pull of yours (use the token you generated)."
+        ),
+    )
+    expires_at = serializers.DateTimeField()
+
+
+class OfferSerializer(serializers.Serializer):
+    offer_id = serializers.CharField()
+    source = serializers.ChoiceField(choices=["new_claim", "lease_recovery"])  # type: ignore[assignment]  # a field named like Field.source
+    run_id = serializers.CharField()
+    attempt_id = serializers.CharField()
+    project_id = serializers.CharField()
+    task_id = serializers.CharField()
+    task_revision = serializers.IntegerField()
+    priority = serializers.IntegerField()
+    queued_at = serializers.DateTimeField()
+    worker_id = serializers.CharField()
+    session_id = serializers.CharField()
+    session_generation = serializers.IntegerField()
+    lease = LeaseGrantSerializer()
+    spec = ExecutionSpecSerializer()
+    spec_sha256 = serializers.CharField(
+        help_text='sha256 hex of json.dumps(spec, sort_keys=True, separators=(",", ":"), '
+        'ensure_ascii=False).encode("utf-8")'
+    )
+    placement_score = serializers.IntegerField(allow_null=True)
+
+
+class PullResponseSerializer(serializers.Serializer):
+    offers = OfferSerializer(many=True)
+    status = serializers.ChoiceField(choices=[s.value for s in CycleStatus])
+    reason = serializers.ChoiceField(choices=[r.value for r in CycleReason])
+    truncated = serializers.BooleanField()
+
+
+# ---------------------------------------------------------------------- ack
+
+_PHASES_WITH_EXIT_CODE = frozenset({AckPhase.SUCCEEDED, AckPhase.FAILED, AckPhase.START_FAILED})
+_TERMINAL_PHASES = _PHASES_WITH_EXIT_CODE
+
+
+class AckRequestSerializer(StrictSerializer):
+    phase = StrictChoiceField(choices=[p.value for p in AckPhase])
+    lease_token = lease_token_field()
+    spec_sha256 = StrictCharField(validators=[RegexValidator(SPEC_SHA256_RE)])
+    executor_handle = StrictCharField(
+        min_length=1, max_length=200, required=False, help_text="Required for `running`."
+    )
+    exit_code = StrictIntegerField(
+        min_value=-_INT32,
+        max_value=_INT32 - 1,
+        required=False,
+        help_text="Required for `succeeded` and `failed`.",
+    )
+    error_code = StrictCharField(max_length=64, required=False, allow_blank=True)
+    output_tail = StrictCharField(
+        max_length=MAX_OUTPUT_TAIL_BYTES,
+        required=False,
+        allow_blank=True,
+        help_text="At most 64 KiB (UTF-8).",
+    )
+
+    def validate_output_tail(self, value: str) -> str:
+        if len(value.encode("utf-8", "surrogatepass")) > MAX_OUTPUT_TAIL_BYTES:
+            raise serializers.ValidationError("too long", code="max_length")
+        return value
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        phase = AckPhase(attrs["phase"])
+        errors: dict[str, list[serializers.ErrorDetail]] = {}
+
+        def fail(name: str, code: str) -> None:
+            errors[name] = [serializers.ErrorDetail(code, code=code)]
+
+        if phase is AckPhase.RUNNING and "executor_handle" not in attrs:
+            fail("executor_handle", "required")
+        if phase is not AckPhase.RUNNING and "executor_handle" in attrs:
+            fail("executor_handle", "not_allowed_for_phase")
+        if phase in (AckPhase.SUCCEEDED, AckPhase.FAILED) and "exit_code" not in attrs:
+            fail("exit_code", "required")
+        if phase not in _PHASES_WITH_EXIT_CODE and "exit_code" in attrs:
+            fail("exit_code", "not_allowed_for_phase")
+        for name in ("error_code", "output_tail"):
+            if phase not in _TERMINAL_PHASES and name in attrs:
+                fail(name, "not_allowed_for_phase")
+        if errors:
+            raise serializers.ValidationError(errors)
+        return attrs
+
+
+class AckResponseSerializer(serializers.Serializer):
+    offer_id = serializers.CharField()
+    attempt_state = serializers.ChoiceField(choices=AttemptState.choices)
+    run_state = serializers.ChoiceField(choices=RunState.choices)
+    cancel_requested = serializers.BooleanField(
+        help_text="true: the Run was cancelled; stop the Attempt and ACK its end."
+    )

@@ -1,0 +1,16 @@
+"""Worker API routes, mounted at /api/v1/worker/ (DESIGN §4)."""
+
+from __future__ import annotations
+
+from django.urls import path, re_path
+
+from workers.api import views
+
+app_name = "worker-api"
+
+urlpatterns = [
+    path("sessions", views.SessionOpenView.as_view(), name="sessions"),
+    path("heartbeat", views.HeartbeatView.as_view(), name="heartbeat"),
+    path("pull", views.PullView.as_view(), name="pull"),
+    re_path(r"^leases/(?P<offer_id>[0-9a-f]{64})/ack$", views.AckView.as_view(), name="lease-ack"),
+]

@@ -1,0 +1,242 @@
+"""Worker API views (DESIGN §4): thin — validate, call one use case, shape JSON.
+
+Views never log request bodies; every failure leaves through the one error
+envelope (`qinglong.api_errors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+import workers.api.schema  # noqa: F401  (registers the OpenAPI security schemes)
+from dispatch.core.ports import to_rfc3339
+from dispatch.services import AckPhase, LeaseError, lease_ack
+from qinglong.api_common import ApiView, validated
+from qinglong.api_errors import ApiError
+from qinglong.api_schema import error_responses, retry_after
+from workers.api.authentication import (
+    HasWorkerSession,
+    IsEnabledWorker,
+    SessionTokenAuthentication,
+    WorkerCredentialAuthentication,
+    WorkerPrincipal,
+)
+from workers.api.pull import PullIdConflict, worker_pull
+from workers.api.serializers import (
+    OFFER_ID_RE,
+    AckRequestSerializer,
+    AckResponseSerializer,
+    HeartbeatRequestSerializer,
+    HeartbeatResponseSerializer,
+    PullRequestSerializer,
+    PullResponseSerializer,
+    SessionOpenRequestSerializer,
+    SessionOpenResponseSerializer,
+)
+from workers.api.throttles import PullThrottle, SessionOpenThrottle
+from workers.models import WorkerSession
+from workers.services import (
+    SessionRejected,
+    WorkerDisabled,
+    WorkerInputError,
+    session_heartbeat,
+    session_open,
+)
+
+# DESIGN §4: Worker bodies are small; the largest is an ACK with a 64 KiB tail.
+WORKER_MAX_BODY_BYTES = 80 * 1024
+
+_TAG = ["worker"]
+
+
+def _rejected(err: SessionRejected) -> ApiError:
+    messages = {
+        "session_replaced": "this session was replaced by a newer session of the worker",
+        "session_offline": "this session is offline; open a new session",
+    }
+    return ApiError(
+        status_code=status.HTTP_401_UNAUTHORIZED,
+        code=err.code if err.code in messages else "invalid_session_token",
+        message=messages.get(err.code, "the session token is not valid"),
+    )
+
+
+class WorkerApiView(ApiView):
+    max_body_bytes = WORKER_MAX_BODY_BYTES
+    authentication_classes = [SessionTokenAuthentication]
+    permission_classes = [HasWorkerSession]
+    throttle_classes: list[Any] = []
+
+    def session(self, request: Request) -> WorkerSession:
+        return cast(WorkerSession, request.auth)
+
+
+class SessionOpenView(WorkerApiView):
+    authentication_classes = [WorkerCredentialAuthentication]
+    permission_classes = [IsEnabledWorker]
+    throttle_classes = [SessionOpenThrottle]
+
+    @extend_schema(
+        operation_id="worker_session_open",
+        summary="Open a Session (fences every earlier Session of this Worker)",
+        tags=_TAG,
+        request=SessionOpenRequestSerializer,
+        responses={
+            201: SessionOpenResponseSerializer,
+            **error_responses(429),
+        },
+        parameters=[retry_after(429)],
+    )
+    def post(self, request: Request) -> Response:
+        body = validated(SessionOpenRequestSerializer, request.data)
+        principal = cast(WorkerPrincipal, request.user)
+        try:
+            opened = session_open(
+                worker=principal.worker,
+                executor_types=body["executor_types"],
+                labels=body.get("labels", {}),
+                slots=body["slots"],
+                agent_version=body.get("agent_version", ""),
+            )
+        except WorkerInputError as err:
+            # The service names the field and the rule, never the value.
+            raise ApiError(
+                status_code=400, code="invalid_request", message=f"{err.field}: {err.message}"
+            ) from None
+        except WorkerDisabled:
+            raise ApiError(
+                status_code=403, code="worker_disabled", message="the worker is disabled"
+            ) from None
+        session = opened.session
+        return Response(
+            {
+                "session_id": str(session.session_id),
+                "generation": session.generation,
+                "session_token": opened.token,
+                "heartbeat_interval_s": int(settings.QINGLONG_HEARTBEAT_INTERVAL_S),
+                "lease_ttl_s": int(settings.QINGLONG_DISPATCH["lease_ttl_s"]),
+            },
+            status=status.HTTP_201_CREATED,
+        )
+
+
+class HeartbeatView(WorkerApiView):
+    @extend_schema(
+        operation_id="worker_heartbeat",
+        summary="Keep the Session online, renew started leases, get cancel verdicts",
+        tags=_TAG,
+        request=HeartbeatRequestSerializer,
+        responses={200: HeartbeatResponseSerializer, **error_responses()},
+        parameters=[retry_after()],
+    )
+    def post(self, request: Request) -> Response:
+        body = validated(HeartbeatRequestSerializer, request.data)
+        try:
+            beat = session_heartbeat(
+                session=self.session(request), draining=body.get("draining", False)
+            )
+        except SessionRejected as err:
+            raise _rejected(err) from None
+        return Response(
+            {
+                "session_state": beat.session_state,
+                "cancel": list(beat.cancel),
+                "server_time": to_rfc3339(beat.server_time),
+            }
+        )
+
+
+class PullView(WorkerApiView):
+    throttle_classes = [PullThrottle]
+
+    @extend_schema(
+        operation_id="worker_pull",
+        summary="Pull offers: this Session's undelivered leases first, else new claims",
+        description=(
+            "Send a fresh `pull_id` (UUID) and a fresh high-entropy `lease_token` "
+            "(base64url, ≥ 43 chars) per pull. After a lost response, repeat the same "
+            "`pull_id` with the same token: the same offers come back with the token "
+            "echoed. The same `pull_id` with another token is `409 pull_id_conflict`. "
+            "`max_offers` is capped by the Session's free slots."
+        ),
+        tags=_TAG,
+        request=PullRequestSerializer,
+        responses={200: PullResponseSerializer, **error_responses(409, 429)},
+        parameters=[retry_after(429)],
+    )
+    def post(self, request: Request) -> Response:
+        body = validated(PullRequestSerializer, request.data)
+        try:
+            result = worker_pull(
+                session=self.session(request),
+                pull_id=body["pull_id"],
+                lease_token=body["lease_token"],
+                max_offers=body.get("max_offers", 1),
+            )
+        except PullIdConflict:
+            raise ApiError(
+                status_code=409,
+                code="pull_id_conflict",
+                message="this pull_id was already used with another lease_token",
+            ) from None
+        # The only response that carries specs and lease tokens (DESIGN §3 "Offer").
+        return Response(
+            {
+                "offers": [offer.to_wire() for offer in result.offers],
+                "status": result.status,
+                "reason": result.reason,
+                "truncated": result.truncated,
+            }
+        )
+
+
+class AckView(WorkerApiView):
+    @extend_schema(
+        operation_id="worker_lease_ack",
+        summary="ACK a lease phase: starting, running, start_failed, succeeded, failed",
+        description=(
+            "Spawn nothing before the `starting` ACK is accepted. A repeat of the same phase "
+            "is idempotent. 403: another Session's lease or a wrong lease token (nothing "
+            "changes). 409: the lease expired, was revoked or released, the Run was "
+            "cancelled, the phase is not allowed now, or `spec_sha256` differs — stop the "
+            "Attempt."
+        ),
+        tags=_TAG,
+        request=AckRequestSerializer,
+        responses={200: AckResponseSerializer, **error_responses(404, 409)},
+        parameters=[
+            OpenApiParameter("offer_id", str, location=OpenApiParameter.PATH, pattern=OFFER_ID_RE),
+            retry_after(),
+        ],
+    )
+    def post(self, request: Request, offer_id: str) -> Response:
+        body = validated(AckRequestSerializer, request.data)
+        try:
+            result = lease_ack(
+                session=self.session(request),
+                offer_id=offer_id,
+                phase=AckPhase(body["phase"]),
+                lease_token=body["lease_token"],
+                spec_sha256=body["spec_sha256"],
+                executor_handle=body.get("executor_handle", ""),
+                exit_code=body.get("exit_code"),
+                error_code=body.get("error_code", ""),
+                output_tail=body.get("output_tail", ""),
+            )
+        except LeaseError as err:
+            # LeaseError messages are fixed texts and state names, never secrets.
+            raise ApiError(status_code=err.status, code=err.code, message=str(err)) from None
+        return Response(
+            {
+                "offer_id": result.offer_id,
+                "attempt_state": result.attempt_state,
+                "run_state": result.run_state,
+                "cancel_requested": result.cancel_requested,
+            }
+        )
