@@ -68,7 +68,7 @@ def _violations(values: Mapping[str, object]) -> list[BudgetViolation]:
         found.append(
             BudgetViolation(
                 "worker_max_pages",
-                f"worker_page_size × worker_max_pages = {size * pages} "
+                f"worker_page_size \u00d7 worker_max_pages = {size * pages} "
                 f"exceeds the hard cap {HARD_CAPS['worker_total']}",
             )
         )

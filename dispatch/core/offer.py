@@ -101,7 +101,7 @@ class LeaseGrant:
         return (
             f"LeaseGrant(lease_id={self.lease_id!r}, generation={self.generation}, "
             f"token={'<redacted>' if self.token is not None else None}, "
-            f"expires_at={to_rfc3339(self.expires_at)!r})"
+            f"expires_at={self.expires_at.isoformat()!r})"
         )
 
     def __reduce__(self) -> NoReturn:

@@ -17,6 +17,8 @@ from dispatch.core.placement import Placement
 
 __all__ = [
     "LEASE_SOURCES",
+    "NEW_CLAIM",
+    "PULL_CLAIM",
     "Candidate",
     "CandidateSource",
     "ClaimOutcome",

@@ -1,0 +1,801 @@
+"""In-memory fakes of every dispatcher port, over one shared store.
+
+Shipped beside the ports (procrastinate's `testing.py` style) so the core's
+tests, the contract suite and other apps' unit tests use the same fakes. They
+honour the port contracts in `dispatch.core.ports` — keyset order, filters,
+page limits, the claim's CAS — so one contract suite
+(`dispatch/tests/test_port_contract.py`) runs against them and the ORM adapters.
+
+Port objects keep no state of their own beyond call logs and misbehaviour
+knobs: a "restart" is simply new port objects over the same `FakeStore`.
+Knobs make a port break its contract on purpose, to prove the cycle fails
+closed (ADR §4): duplicate rows, a cursor that does not advance, an over-size
+page, worker order regression, rows outside the requested scope, a Worker that
+vanishes after the snapshot, a lost CAS, a drifted or missing plan.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final, TypeVar
+
+from dispatch.core.placement import Placement
+from dispatch.core.ports import (
+    Candidate,
+    ClaimOutcome,
+    ClaimRequest,
+    ClaimStatus,
+    DispatchPlan,
+    DispatchPorts,
+    DispatchScope,
+    Page,
+    PlanUnavailable,
+    RecoverableLease,
+    SessionRef,
+    WorkerRecord,
+    id_sort_key,
+)
+from dispatch.core.spec import TaskDefinition, build_spec, validate_task_definition
+
+__all__ = [
+    "DEFAULT_NOW",
+    "FakeCandidateSource",
+    "FakeClaimPort",
+    "FakeClock",
+    "FakeLeaseRecoverySource",
+    "FakePlanSource",
+    "FakeStore",
+    "FakeWorkerSnapshotSource",
+    "fake_ports",
+]
+
+DEFAULT_NOW: Final = datetime(2026, 7, 18, 12, 0, tzinfo=UTC)
+R = TypeVar("R")
+
+
+class FakeClock:
+    """The Clock port; time moves only when a test says so."""
+
+    def __init__(self, now: datetime = DEFAULT_NOW) -> None:
+        if now.tzinfo is None:
+            raise ValueError("FakeClock needs a tz-aware datetime")
+        self._now = now
+        self.calls = 0
+
+    def now(self) -> datetime:
+        self.calls += 1
+        return self._now
+
+    def advance(self, seconds: float) -> datetime:
+        self._now += timedelta(seconds=seconds)
+        return self._now
+
+
+# ---------------------------------------------------------------- store rows
+
+
+@dataclass
+class FakeTask:
+    project_id: str
+    task_id: str
+    revisions: dict[int, TaskDefinition]
+    current_revision: int
+
+
+@dataclass
+class FakeRun:
+    run_id: str
+    project_id: str
+    task_id: str
+    task_revision: int
+    executor_type: str
+    priority: int
+    queued_at: datetime
+    state: str = "queued"  # queued | dispatching | running | ...
+    cancel_requested: bool = False
+
+
+@dataclass
+class FakeAttempt:
+    attempt_id: str
+    run_id: str
+    state: str = "pending"  # pending | claimed | starting | ...
+    version: int = 1
+    lease_generation: int = 0
+
+
+@dataclass
+class FakeSession:
+    session_id: str
+    generation: int
+    state: str = "online"  # online | draining | offline | replaced
+
+
+@dataclass
+class FakeWorker:
+    worker_id: str
+    executor_types: frozenset[str]
+    labels: dict[str, str]
+    slots: int
+    admin_state: str = "active"  # active | draining | disabled
+    session: FakeSession | None = None
+
+
+@dataclass
+class FakeLease:
+    lease_id: str
+    attempt_id: str
+    run_id: str
+    worker_id: str
+    session_id: str
+    session_generation: int
+    lease_generation: int
+    token_digest: str
+    spec_sha256: str
+    placement_score: int | None
+    source: str
+    pull_id: str | None
+    claimed_at: datetime
+    expires_at: datetime
+    state: str = "active"  # active | released | expired | revoked
+    delivery_count: int = 0
+    last_delivered_at: datetime | None = None
+
+
+class FakeStore:
+    """Shared in-memory state: what the database is to the ORM adapters."""
+
+    def __init__(self, now: datetime = DEFAULT_NOW) -> None:
+        self.clock = FakeClock(now)
+        self.tasks: dict[str, FakeTask] = {}
+        self.runs: dict[str, FakeRun] = {}
+        self.attempts: dict[str, FakeAttempt] = {}
+        self.workers: dict[str, FakeWorker] = {}
+        self.leases: dict[str, FakeLease] = {}
+        # Distinct ranges make a mixed-up id fail loudly instead of matching.
+        self._next = {"project": 1, "task": 10, "run": 100, "attempt": 1000, "worker": 1}
+        self._next_lease = 5000
+        self._next_session = 1
+
+    # -- ids --------------------------------------------------------------------
+
+    def _new_id(self, kind: str) -> str:
+        value = self._next[kind]
+        self._next[kind] = value + 1
+        return str(value)
+
+    def _new_session(self, generation: int) -> FakeSession:
+        number = self._next_session
+        self._next_session += 1
+        return FakeSession(f"00000000-0000-4000-8000-{number:012d}", generation)
+
+    # -- tasks and runs -------------------------------------------------------------
+
+    def add_task(
+        self,
+        *,
+        definition: Mapping[str, object] | TaskDefinition,
+        project_id: str | None = None,
+    ) -> tuple[str, str, int]:
+        """A Task at revision 1; returns (project_id, task_id, revision)."""
+        task_id = self._new_id("task")
+        self.tasks[task_id] = FakeTask(
+            project_id=project_id or self._new_id("project"),
+            task_id=task_id,
+            revisions={1: _definition(definition)},
+            current_revision=1,
+        )
+        return self.tasks[task_id].project_id, task_id, 1
+
+    def edit_task(self, task_id: str, definition: Mapping[str, object] | TaskDefinition) -> int:
+        """An edit is a new immutable revision; existing Runs stay pinned."""
+        task = self.tasks[task_id]
+        task.current_revision += 1
+        task.revisions[task.current_revision] = _definition(definition)
+        return task.current_revision
+
+    def rewrite_revision(
+        self, task_id: str, revision: int, definition: Mapping[str, object] | TaskDefinition
+    ) -> None:
+        """Corrupt a frozen revision in place: the drift recovery must catch."""
+        self.tasks[task_id].revisions[revision] = _definition(definition)
+
+    def drop_revision(self, task_id: str, revision: int) -> None:
+        del self.tasks[task_id].revisions[revision]
+
+    def add_run(
+        self,
+        *,
+        task_id: str,
+        priority: int = 0,
+        queued_at: datetime | None = None,
+        revision: int | None = None,
+    ) -> tuple[str, str]:
+        """A queued Run pinned to `revision` (default current) with a pending Attempt."""
+        task = self.tasks[task_id]
+        pinned = task.current_revision if revision is None else revision
+        run_id, attempt_id = self._new_id("run"), self._new_id("attempt")
+        self.runs[run_id] = FakeRun(
+            run_id=run_id,
+            project_id=task.project_id,
+            task_id=task_id,
+            task_revision=pinned,
+            executor_type=task.revisions[pinned].executor_type,
+            priority=priority,
+            queued_at=self.clock.now() if queued_at is None else queued_at,
+        )
+        self.attempts[attempt_id] = FakeAttempt(attempt_id=attempt_id, run_id=run_id)
+        return run_id, attempt_id
+
+    def cancel_run(self, run_id: str) -> None:
+        self.runs[run_id].cancel_requested = True
+
+    def start_attempt(self, attempt_id: str) -> None:
+        """The `starting` ACK: from here the spec is never re-delivered (ADR §5)."""
+        attempt = self.attempts[attempt_id]
+        attempt.state = "starting"
+        attempt.version += 1
+
+    # -- workers ------------------------------------------------------------------
+
+    def add_worker(
+        self,
+        *,
+        executor_types: Iterable[str] = ("process",),
+        labels: Mapping[str, str] | None = None,
+        slots: int = 1,
+        worker_id: str | None = None,
+    ) -> SessionRef:
+        """A Worker with one online Session (generation 1)."""
+        wid = worker_id if worker_id is not None else self._new_id("worker")
+        self.workers[wid] = FakeWorker(
+            worker_id=wid,
+            executor_types=frozenset(executor_types),
+            labels=dict(labels or {}),
+            slots=slots,
+            session=self._new_session(1),
+        )
+        return self.session_ref(wid)
+
+    def session_ref(self, worker_id: str) -> SessionRef:
+        session = self.workers[worker_id].session
+        if session is None:
+            raise KeyError(worker_id)
+        return SessionRef(worker_id, session.session_id, session.generation)
+
+    def replace_session(self, worker_id: str) -> SessionRef:
+        """Open a new Session: the old one is fenced (state replaced)."""
+        worker = self.workers[worker_id]
+        old = worker.session
+        if old is not None:
+            old.state = "replaced"
+        worker.session = self._new_session((old.generation if old else 0) + 1)
+        return self.session_ref(worker_id)
+
+    def set_session_state(self, worker_id: str, state: str) -> None:
+        session = self.workers[worker_id].session
+        if session is not None:
+            session.state = state
+
+    def free_slots(self, worker_id: str) -> int:
+        worker = self.workers[worker_id]
+        session = worker.session
+        if session is None:
+            return 0
+        busy = sum(
+            1
+            for lease in self.leases.values()
+            if lease.state == "active"
+            and lease.worker_id == worker_id
+            and lease.session_id == session.session_id
+            and lease.session_generation == session.generation
+        )
+        return max(0, worker.slots - busy)
+
+    def is_current_session(self, ref: SessionRef, states: Collection[str]) -> bool:
+        worker = self.workers.get(ref.worker_id)
+        if worker is None or worker.session is None:
+            return False
+        return (
+            worker.session.session_id == ref.session_id
+            and worker.session.generation == ref.session_generation
+            and worker.session.state in states
+        )
+
+    # -- leases -------------------------------------------------------------------
+
+    def record_delivery(self, lease_id: str, at: datetime | None = None) -> None:
+        """Telemetry only (DESIGN §2); feeds the redelivery backoff filter."""
+        lease = self.leases[lease_id]
+        lease.delivery_count += 1
+        lease.last_delivered_at = self.clock.now() if at is None else at
+
+    def expire_leases(self) -> int:
+        """The expiry sweeper: a claimed Attempt goes back to pending."""
+        now = self.clock.now()
+        expired = 0
+        for lease in self.leases.values():
+            if lease.state == "active" and lease.expires_at <= now:
+                lease.state = "expired"
+                expired += 1
+                attempt = self.attempts[lease.attempt_id]
+                if attempt.state == "claimed":
+                    attempt.state = "pending"
+                    attempt.version += 1
+                    self.runs[attempt.run_id].state = "queued"
+        return expired
+
+    def active_lease_for(self, attempt_id: str) -> FakeLease | None:
+        return next(
+            (
+                lease
+                for lease in self.leases.values()
+                if lease.attempt_id == attempt_id and lease.state == "active"
+            ),
+            None,
+        )
+
+    def insert_lease(self, request: ClaimRequest) -> FakeLease:
+        lease_id = str(self._next_lease)
+        self._next_lease += 1
+        now = self.clock.now()
+        lease = FakeLease(
+            lease_id=lease_id,
+            attempt_id=request.attempt_id,
+            run_id=request.run_id,
+            worker_id=request.worker_id,
+            session_id=request.session_id,
+            session_generation=request.session_generation,
+            lease_generation=request.lease_generation,
+            token_digest=request.token_digest,
+            spec_sha256=request.spec_sha256,
+            placement_score=request.placement_score,
+            source=request.source,
+            pull_id=request.pull_id,
+            claimed_at=now,
+            expires_at=now + timedelta(seconds=request.lease_ttl_s),
+        )
+        self.leases[lease_id] = lease
+        return lease
+
+    # -- the StoreBuilder surface of dispatch.tests.contract ------------------------
+
+    def advance(self, seconds: float) -> datetime:
+        return self.clock.advance(seconds)
+
+    def ports(self, **overrides: Any) -> DispatchPorts:
+        return fake_ports(self, **overrides)
+
+
+def _definition(value: Mapping[str, object] | TaskDefinition) -> TaskDefinition:
+    return value if isinstance(value, TaskDefinition) else validate_task_definition(value)
+
+
+# ---------------------------------------------------------------- paging
+
+
+def _paginate(
+    rows: list[R],
+    *,
+    key: Callable[[R], tuple[Any, ...]],
+    after: tuple[Any, ...] | None,
+    encode: Callable[[R], str],
+    cursor: str | None,
+    limit: int,
+    duplicate_rows: bool,
+    stuck_cursor: bool,
+    oversize: bool,
+    previous_last: R | None,
+) -> Page[R]:
+    """Keyset paging over rows already sorted by `key`, with the bug knobs."""
+    remaining = rows if after is None else [row for row in rows if key(row) > after]
+    items = remaining[: limit + 1 if oversize else limit]
+    more = len(remaining) > len(items)
+    if duplicate_rows and cursor is not None and previous_last is not None:
+        # The classic off-by-one (">=" for ">"): the previous page's last row
+        # comes back, even if it has been claimed since.
+        items = [previous_last, *items[: limit - 1]]
+        more = more or len(remaining) > limit - 1
+    next_cursor = encode(items[-1]) if more and items else None
+    if stuck_cursor and cursor is not None and next_cursor is not None:
+        next_cursor = cursor
+    return Page(tuple(items), next_cursor)
+
+
+def _check_limit(limit: int) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError("limit must be a positive integer")
+
+
+# ---------------------------------------------------------------- ports
+
+
+class FakeLeaseRecoverySource:
+    def __init__(
+        self,
+        store: FakeStore,
+        *,
+        duplicate_rows: bool = False,
+        stuck_cursor: bool = False,
+        oversize: bool = False,
+        include_expired: bool = False,
+        ignore_scope: bool = False,
+    ) -> None:
+        self.store = store
+        self.duplicate_rows = duplicate_rows
+        self.stuck_cursor = stuck_cursor
+        self.oversize = oversize
+        self.include_expired = include_expired
+        self.ignore_scope = ignore_scope
+        self.calls: list[dict[str, object]] = []
+        self._last: RecoverableLease | None = None
+
+    def recover_page(
+        self,
+        *,
+        scope: DispatchScope,
+        observed_at: datetime,
+        due_before: datetime | None,
+        max_deliveries: int,
+        cursor: str | None,
+        limit: int,
+    ) -> Page[RecoverableLease]:
+        self.calls.append(
+            {
+                "scope": scope,
+                "observed_at": observed_at,
+                "due_before": due_before,
+                "max_deliveries": max_deliveries,
+                "cursor": cursor,
+                "limit": limit,
+            }
+        )
+        _check_limit(limit)
+        rows = sorted(
+            (
+                self._as_recoverable(lease)
+                for lease in self.store.leases.values()
+                if self._eligible(lease, scope, observed_at, due_before, max_deliveries)
+            ),
+            key=lambda row: id_sort_key(row.lease_id),
+        )
+        page = _paginate(
+            rows,
+            key=lambda row: id_sort_key(row.lease_id),
+            after=None if cursor is None else id_sort_key(cursor),
+            encode=lambda row: row.lease_id,
+            cursor=cursor,
+            limit=limit,
+            duplicate_rows=self.duplicate_rows,
+            stuck_cursor=self.stuck_cursor,
+            oversize=self.oversize,
+            previous_last=self._last,
+        )
+        self._last = page.items[-1] if page.items else self._last
+        return page
+
+    def _eligible(
+        self,
+        lease: FakeLease,
+        scope: DispatchScope,
+        observed_at: datetime,
+        due_before: datetime | None,
+        max_deliveries: int,
+    ) -> bool:
+        store = self.store
+        attempt = store.attempts[lease.attempt_id]
+        run = store.runs[lease.run_id]
+        ref = SessionRef(lease.worker_id, lease.session_id, lease.session_generation)
+        return (
+            lease.state == "active"
+            and attempt.state == "claimed"
+            and run.state == "dispatching"
+            and not run.cancel_requested
+            and (self.include_expired or lease.expires_at > observed_at)
+            and store.is_current_session(ref, ("online", "draining"))
+            and (self.ignore_scope or scope.session is None or scope.session == ref)
+            and (
+                due_before is None
+                or lease.last_delivered_at is None
+                or lease.last_delivered_at <= due_before
+            )
+            and lease.delivery_count < max_deliveries
+        )
+
+    def _as_recoverable(self, lease: FakeLease) -> RecoverableLease:
+        run = self.store.runs[lease.run_id]
+        attempt = self.store.attempts[lease.attempt_id]
+        return RecoverableLease(
+            lease_id=lease.lease_id,
+            run_id=run.run_id,
+            attempt_id=attempt.attempt_id,
+            project_id=run.project_id,
+            task_id=run.task_id,
+            task_revision=run.task_revision,
+            executor_type=run.executor_type,
+            priority=run.priority,
+            queued_at=run.queued_at,
+            worker_id=lease.worker_id,
+            session_id=lease.session_id,
+            session_generation=lease.session_generation,
+            lease_generation=lease.lease_generation,
+            spec_sha256=lease.spec_sha256,
+            expires_at=lease.expires_at,
+            source=lease.source,
+            placement_score=lease.placement_score,
+            pull_id=lease.pull_id,
+            token_digest=lease.token_digest,
+            delivery_count=lease.delivery_count,
+            last_delivered_at=lease.last_delivered_at,
+            attempt_version=attempt.version,
+        )
+
+
+def _candidate_key(row: Candidate) -> tuple[int, datetime, tuple[int, int, str]]:
+    return (-row.priority, row.queued_at, id_sort_key(row.attempt_id))
+
+
+def _encode_candidate(row: Candidate) -> str:
+    return json.dumps([row.priority, row.queued_at.isoformat(), row.attempt_id])
+
+
+def _decode_candidate(cursor: str) -> tuple[int, datetime, tuple[int, int, str]]:
+    priority, queued_at, attempt_id = json.loads(cursor)
+    return (-int(priority), datetime.fromisoformat(queued_at), id_sort_key(str(attempt_id)))
+
+
+class FakeCandidateSource:
+    def __init__(
+        self,
+        store: FakeStore,
+        *,
+        duplicate_rows: bool = False,
+        stuck_cursor: bool = False,
+        oversize: bool = False,
+    ) -> None:
+        self.store = store
+        self.duplicate_rows = duplicate_rows
+        self.stuck_cursor = stuck_cursor
+        self.oversize = oversize
+        self.calls: list[dict[str, object]] = []
+        self._last: Candidate | None = None
+
+    def candidate_page(self, *, cursor: str | None, limit: int) -> Page[Candidate]:
+        self.calls.append({"cursor": cursor, "limit": limit})
+        _check_limit(limit)
+        rows = sorted(self._candidates(), key=_candidate_key)
+        page = _paginate(
+            rows,
+            key=_candidate_key,
+            after=None if cursor is None else _decode_candidate(cursor),
+            encode=_encode_candidate,
+            cursor=cursor,
+            limit=limit,
+            duplicate_rows=self.duplicate_rows,
+            stuck_cursor=self.stuck_cursor,
+            oversize=self.oversize,
+            previous_last=self._last,
+        )
+        self._last = page.items[-1] if page.items else self._last
+        return page
+
+    def _candidates(self) -> Iterable[Candidate]:
+        for attempt in self.store.attempts.values():
+            run = self.store.runs[attempt.run_id]
+            if attempt.state != "pending" or run.state != "queued" or run.cancel_requested:
+                continue
+            yield Candidate(
+                run_id=run.run_id,
+                attempt_id=attempt.attempt_id,
+                project_id=run.project_id,
+                task_id=run.task_id,
+                task_revision=run.task_revision,
+                executor_type=run.executor_type,
+                priority=run.priority,
+                queued_at=run.queued_at,
+                attempt_version=attempt.version,
+                lease_generation=attempt.lease_generation,
+            )
+
+
+class FakeWorkerSnapshotSource:
+    def __init__(
+        self,
+        store: FakeStore,
+        *,
+        duplicate_rows: bool = False,
+        stuck_cursor: bool = False,
+        oversize: bool = False,
+        order_regression: bool = False,
+        ignore_scope: bool = False,
+    ) -> None:
+        self.store = store
+        self.duplicate_rows = duplicate_rows
+        self.stuck_cursor = stuck_cursor
+        self.oversize = oversize
+        self.order_regression = order_regression
+        self.ignore_scope = ignore_scope
+        self.calls: list[dict[str, object]] = []
+        self._last: WorkerRecord | None = None
+
+    def worker_page(
+        self, *, scope: DispatchScope, cursor: str | None, limit: int
+    ) -> Page[WorkerRecord]:
+        self.calls.append({"scope": scope, "cursor": cursor, "limit": limit})
+        _check_limit(limit)
+        rows = sorted(self._records(scope), key=lambda row: id_sort_key(row.worker_id))
+        page = _paginate(
+            rows,
+            key=lambda row: id_sort_key(row.worker_id),
+            after=None if cursor is None else id_sort_key(cursor),
+            encode=lambda row: row.worker_id,
+            cursor=cursor,
+            limit=limit,
+            duplicate_rows=self.duplicate_rows,
+            stuck_cursor=self.stuck_cursor,
+            oversize=self.oversize,
+            previous_last=self._last,
+        )
+        self._last = page.items[-1] if page.items else self._last
+        if self.order_regression:
+            return Page(tuple(reversed(page.items)), page.next_cursor)
+        return page
+
+    def _records(self, scope: DispatchScope) -> Iterable[WorkerRecord]:
+        for worker in self.store.workers.values():
+            session = worker.session
+            if worker.admin_state != "active" or session is None or session.state != "online":
+                continue
+            ref = SessionRef(worker.worker_id, session.session_id, session.generation)
+            if not self.ignore_scope and scope.session is not None and scope.session != ref:
+                continue
+            yield WorkerRecord(
+                worker_id=worker.worker_id,
+                session_id=session.session_id,
+                session_generation=session.generation,
+                executor_types=worker.executor_types,
+                labels=dict(worker.labels),
+                free_slots=self.store.free_slots(worker.worker_id),
+            )
+
+
+SpecPatch = Callable[[Candidate, dict[str, object]], dict[str, object]]
+
+
+class FakePlanSource:
+    """Builds plans from the Run's pinned revision, like the ORM adapter.
+
+    `prepared` keeps every plan handed out, with its spec as a live mutable dict,
+    so a test can mutate the source's data after the cycle (ADR 验证要求 8).
+    """
+
+    def __init__(
+        self,
+        store: FakeStore,
+        *,
+        unavailable_runs: Collection[str] = (),
+        spec_patch: SpecPatch | None = None,
+        placement_override: Placement | None = None,
+    ) -> None:
+        self.store = store
+        self.unavailable_runs = set(unavailable_runs)
+        self.spec_patch = spec_patch
+        self.placement_override = placement_override
+        self.calls: list[Candidate] = []
+        self.prepared: list[DispatchPlan] = []
+
+    def prepare(self, candidate: Candidate) -> DispatchPlan:
+        self.calls.append(candidate)
+        run = self.store.runs.get(candidate.run_id)
+        attempt = self.store.attempts.get(candidate.attempt_id)
+        if (
+            run is None
+            or attempt is None
+            or attempt.run_id != run.run_id
+            or run.run_id in self.unavailable_runs
+        ):
+            raise PlanUnavailable(candidate.run_id)
+        definition = self.store.tasks[run.task_id].revisions.get(run.task_revision)
+        if definition is None:
+            raise PlanUnavailable(candidate.run_id)
+        spec = build_spec(
+            run_id=run.run_id,
+            attempt_id=attempt.attempt_id,
+            project_id=run.project_id,
+            task_id=run.task_id,
+            task_revision=run.task_revision,
+            definition=definition,
+        )
+        if self.spec_patch is not None:
+            spec = self.spec_patch(candidate, spec)
+        plan = DispatchPlan(
+            run_id=run.run_id,
+            attempt_id=attempt.attempt_id,
+            project_id=run.project_id,
+            task_id=run.task_id,
+            task_revision=run.task_revision,
+            spec=spec,
+            placement=(
+                definition.placement if self.placement_override is None else self.placement_override
+            ),
+        )
+        self.prepared.append(plan)
+        return plan
+
+
+class FakeClaimPort:
+    """The claim transaction of DESIGN §3, against the store."""
+
+    def __init__(
+        self,
+        store: FakeStore,
+        *,
+        vanished_workers: Collection[str] = (),
+        lost_attempts: Collection[str] = (),
+    ) -> None:
+        self.store = store
+        self.vanished_workers = set(vanished_workers)
+        self.lost_attempts = set(lost_attempts)
+        self.calls: list[ClaimRequest] = []
+
+    def claim(self, request: ClaimRequest) -> ClaimOutcome:
+        self.calls.append(request)
+        store = self.store
+        if request.attempt_id in self.lost_attempts:
+            # A rival dispatcher committed between our read and our CAS.
+            return ClaimOutcome(ClaimStatus.ATTEMPT_LOST)
+        attempt = store.attempts.get(request.attempt_id)
+        if (
+            attempt is None
+            or attempt.run_id != request.run_id
+            or attempt.state != "pending"
+            or attempt.version != request.expected_version
+            or request.lease_generation != attempt.lease_generation + 1
+        ):
+            return ClaimOutcome(ClaimStatus.ATTEMPT_LOST)
+        run = store.runs[attempt.run_id]
+        if run.state != "queued" or run.cancel_requested:
+            return ClaimOutcome(ClaimStatus.ATTEMPT_LOST)
+        if request.worker_id in self.vanished_workers:
+            # Gone since the snapshot: the session really is offline now.
+            store.set_session_state(request.worker_id, "offline")
+            return ClaimOutcome(ClaimStatus.WORKER_UNAVAILABLE)
+        ref = SessionRef(request.worker_id, request.session_id, request.session_generation)
+        worker = store.workers.get(request.worker_id)
+        if (
+            worker is None
+            or worker.admin_state != "active"
+            or not store.is_current_session(ref, ("online",))
+            or store.free_slots(request.worker_id) <= 0
+        ):
+            return ClaimOutcome(ClaimStatus.WORKER_UNAVAILABLE)
+        attempt.state = "claimed"
+        attempt.version += 1
+        attempt.lease_generation = request.lease_generation
+        run.state = "dispatching"
+        lease = store.insert_lease(request)
+        return ClaimOutcome(ClaimStatus.WON, lease_id=lease.lease_id, expires_at=lease.expires_at)
+
+
+def fake_ports(
+    store: FakeStore,
+    *,
+    recovery: FakeLeaseRecoverySource | None = None,
+    candidates: FakeCandidateSource | None = None,
+    workers: FakeWorkerSnapshotSource | None = None,
+    plans: FakePlanSource | None = None,
+    claims: FakeClaimPort | None = None,
+    clock: FakeClock | None = None,
+) -> DispatchPorts:
+    """Fresh port objects over `store` (a "restarted" dispatcher), any replaced."""
+    return DispatchPorts(
+        recovery=recovery or FakeLeaseRecoverySource(store),
+        candidates=candidates or FakeCandidateSource(store),
+        workers=workers or FakeWorkerSnapshotSource(store),
+        plans=plans or FakePlanSource(store),
+        claims=claims or FakeClaimPort(store),
+        clock=clock or store.clock,
+    )
