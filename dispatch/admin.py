@@ -1,0 +1,208 @@
+"""Leases, dispatch cycles and the kill switch in the operator's console (DESIGN §5).
+
+Leases are redacted: the token digest appears as an 8-character prefix, the
+spec never (it is not stored; only its digest is, shown as a prefix too).
+Revocation is an action over `lease_revoke`. DispatchCycle is a big, append-
+only table: read-only, with a capped paginator. The "dispatch paused" kill
+switch is a single DispatchControl row changed only through
+`dispatch_set_paused`, and every cycle honours it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from django.contrib import admin, messages
+from django.core.paginator import Paginator
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.utils.functional import cached_property
+
+from dispatch.cycles import dispatch_paused, dispatch_set_paused
+from dispatch.models import DispatchControl, DispatchCycle, LeaseState, RunLease
+from dispatch.services import lease_revoke
+from runs.services import Outcome
+
+COUNT_CAP: Final = 10_000
+
+
+def _actor(request: HttpRequest) -> str:
+    return f"admin:{getattr(request.user, 'username', '')}"
+
+
+class CappedPaginator(Paginator):
+    """Counts at most COUNT_CAP rows: a COUNT(*) over a big table is not free."""
+
+    @cached_property
+    def count(self) -> int:
+        object_list: Any = self.object_list
+        if isinstance(object_list, QuerySet):
+            return object_list[:COUNT_CAP].count()
+        return len(object_list)
+
+
+class ViewOnlyAdmin(admin.ModelAdmin):
+    show_full_result_count = False
+    paginator = CappedPaginator
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(RunLease)
+class RunLeaseAdmin(ViewOnlyAdmin):
+    list_display = (
+        "id",
+        "run",
+        "attempt",
+        "worker",
+        "session_generation",
+        "lease_generation",
+        "state",
+        "source",
+        "token_prefix",
+        "delivery_count",
+        "expires_at",
+        "end_reason",
+    )
+    list_filter = ("state", "source")
+    list_select_related = ("run", "attempt", "worker")
+    search_fields = ("id", "offer_id", "run__id")
+    # Never token_digest or spec_digest in full, and no spec at all.
+    fields = (
+        "offer_id",
+        "run",
+        "attempt",
+        "worker",
+        "session",
+        "session_generation",
+        "lease_generation",
+        "state",
+        "source",
+        "token_prefix",
+        "spec_digest_prefix",
+        "placement_score",
+        "claimed_at",
+        "expires_at",
+        "delivery_count",
+        "last_delivered_at",
+        "ended_at",
+        "end_reason",
+    )
+    readonly_fields = fields
+    actions = ("revoke_leases",)
+
+    @admin.display(description="token digest")
+    def token_prefix(self, lease: RunLease) -> str:
+        return f"{lease.token_digest[:8]}…"
+
+    @admin.display(description="spec digest")
+    def spec_digest_prefix(self, lease: RunLease) -> str:
+        return f"{lease.spec_digest[:8]}…"
+
+    @admin.action(description="Revoke selected active leases")
+    def revoke_leases(self, request: HttpRequest, queryset: QuerySet[RunLease]) -> None:
+        revoked = 0
+        for lease_id in queryset.filter(state=LeaseState.ACTIVE).values_list("id", flat=True):
+            if lease_revoke(lease_id, reason="operator_revoke") is Outcome.APPLIED:
+                revoked += 1
+        self.message_user(request, f"Revoked {revoked} lease(s).", messages.SUCCESS)
+
+
+@admin.register(DispatchCycle)
+class DispatchCycleAdmin(ViewOnlyAdmin):
+    list_display = (
+        "id",
+        "started_at",
+        "scope",
+        "status",
+        "reason",
+        "truncated",
+        "duration_ms",
+        "claims_won",
+        "offers",
+        "counts",
+    )
+    list_filter = ("scope", "status", "truncated")
+    fields = (
+        "started_at",
+        "observed_at",
+        "duration_ms",
+        "scope",
+        "session_id",
+        "status",
+        "reason",
+        "truncated",
+        "counts",
+    )
+    readonly_fields = fields
+
+    @admin.display(description="won")
+    def claims_won(self, cycle: DispatchCycle) -> int:
+        return int(cycle.counts.get("claims_won", 0))
+
+    @admin.display(description="offers")
+    def offers(self, cycle: DispatchCycle) -> int:
+        return int(cycle.counts.get("offers", 0))
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        _warn_if_paused(self, request)
+        return super().changelist_view(request, extra_context)
+
+
+def _warn_if_paused(model_admin: admin.ModelAdmin, request: HttpRequest) -> None:
+    if dispatch_paused():
+        control = DispatchControl.objects.filter(pk=1).first()
+        reason = f" ({control.reason})" if control and control.reason else ""
+        model_admin.message_user(
+            request,
+            f"Dispatch is PAUSED{reason}: every cycle records status 'paused' and claims nothing.",
+            messages.WARNING,
+        )
+
+
+@admin.register(DispatchControl)
+class DispatchControlAdmin(admin.ModelAdmin):
+    list_display = ("__str__", "paused", "reason", "updated_by", "updated_at")
+    fields = ("paused", "reason", "updated_by", "updated_at")
+    readonly_fields = ("updated_by", "updated_at")
+    actions = ("pause_dispatch", "resume_dispatch")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # The switch is a singleton: make sure its one row exists to act on.
+        if not DispatchControl.objects.filter(pk=1).exists():
+            dispatch_set_paused(paused=False, reason="", actor=_actor(request))
+        _warn_if_paused(self, request)
+        return super().changelist_view(request, extra_context)
+
+    def save_model(
+        self, request: HttpRequest, obj: DispatchControl, form: Any, change: bool
+    ) -> None:
+        # The form is a toggle; the service is the one writer of the switch.
+        dispatch_set_paused(paused=obj.paused, reason=obj.reason, actor=_actor(request))
+
+    @admin.action(description="Pause dispatch (kill switch)")
+    def pause_dispatch(self, request: HttpRequest, queryset: QuerySet[DispatchControl]) -> None:
+        dispatch_set_paused(paused=True, reason="paused from the admin", actor=_actor(request))
+        self.message_user(request, "Dispatch paused (1 switch).", messages.WARNING)
+
+    @admin.action(description="Resume dispatch")
+    def resume_dispatch(self, request: HttpRequest, queryset: QuerySet[DispatchControl]) -> None:
+        dispatch_set_paused(paused=False, reason="", actor=_actor(request))
+        self.message_user(request, "Dispatch resumed (1 switch).", messages.SUCCESS)

@@ -1,0 +1,187 @@
+"""The operator's console for Projects, Tasks, Runs and Attempts (DESIGN §5).
+
+A console, not a backdoor: state fields are read-only, Attempts and their
+history cannot be added or deleted, and every action calls a service and
+reports how many rows it changed. Task definitions are shown (an operator owns
+them), but never from a Run/Attempt page where lease facts are listed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from runs.models import (
+    RUN_TERMINAL_STATES,
+    Attempt,
+    AttemptEvent,
+    Project,
+    Run,
+    RunState,
+    Task,
+    TaskRevision,
+)
+from runs.services import DefinitionError, Outcome, run_cancel, run_enqueue
+
+
+class ReadOnlyInline(admin.TabularInline):
+    extra = 0
+    can_delete = False
+    show_change_link = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Project)
+class ProjectAdmin(admin.ModelAdmin):
+    list_display = ("slug", "name", "max_concurrent_runs", "created_at")
+    search_fields = ("slug", "name")
+
+
+class TaskRevisionInline(ReadOnlyInline):
+    model = TaskRevision
+    fields = ("revision", "executor_type", "timeout_s", "max_attempts", "created_at")
+    readonly_fields = fields
+    ordering = ("-revision",)
+
+
+def _actor(request: HttpRequest) -> str:
+    return f"admin:{getattr(request.user, 'username', '')}"
+
+
+@admin.register(Task)
+class TaskAdmin(admin.ModelAdmin):
+    list_display = ("name", "project", "current_revision", "updated_at")
+    list_filter = ("project",)
+    list_select_related = ("project", "current_revision")
+    search_fields = ("name", "project__slug")
+    # Revisions are immutable and made by the task services (API/commands); the
+    # admin shows them and enqueues Runs, it never edits a definition in place.
+    readonly_fields = ("project", "name", "current_revision", "created_at", "updated_at")
+    inlines = (TaskRevisionInline,)
+    actions = ("enqueue_run",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    @admin.action(description="Enqueue a run of the current revision")
+    def enqueue_run(self, request: HttpRequest, queryset: QuerySet[Task]) -> None:
+        enqueued = 0
+        for task in queryset:
+            try:
+                run_enqueue(task=task)
+            except DefinitionError:
+                continue
+            enqueued += 1
+        self.message_user(request, f"Enqueued {enqueued} run(s).", messages.SUCCESS)
+
+
+class AttemptInline(ReadOnlyInline):
+    model = Attempt
+    fields = (
+        "number",
+        "state",
+        "lease_generation",
+        "executor_handle",
+        "exit_code",
+        "error_code",
+        "started_at",
+        "finished_at",
+    )
+    readonly_fields = fields
+
+
+class AttemptEventInline(ReadOnlyInline):
+    model = AttemptEvent
+    fields = ("at", "attempt", "from_state", "to_state", "reason", "actor")
+    readonly_fields = fields
+
+
+@admin.register(Run)
+class RunAdmin(admin.ModelAdmin):
+    list_display = (
+        "id",
+        "project",
+        "task",
+        "task_revision",
+        "state",
+        "priority",
+        "cancel_requested",
+        "queued_at",
+        "finished_at",
+    )
+    list_filter = ("state", "project", "cancel_requested")
+    list_select_related = ("project", "task", "task_revision")
+    search_fields = ("id", "task__name", "project__slug")
+    readonly_fields = (
+        "project",
+        "task",
+        "task_revision",
+        "state",
+        "priority",
+        "queued_at",
+        "cancel_requested",
+        "version",
+        "created_at",
+        "finished_at",
+    )
+    inlines = (AttemptInline, AttemptEventInline)
+    actions = ("cancel_runs", "retry_failed_runs")
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.action(description="Cancel selected runs")
+    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        cancelled = 0
+        for run in queryset.exclude(state__in=RUN_TERMINAL_STATES):
+            if run_cancel(run=run, actor=_actor(request)) is Outcome.APPLIED:
+                cancelled += 1
+        self.message_user(request, f"Cancelled {cancelled} run(s).", messages.SUCCESS)
+
+    @admin.action(
+        description="Retry failed runs (enqueue a new run of the task's current revision)"
+    )
+    def retry_failed_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        # A finished Run is history and never reopened: a retry is a new Run,
+        # pinned to whatever revision is current now (the fix is usually there).
+        retried = 0
+        for run in queryset.filter(state=RunState.FAILED).select_related("task"):
+            try:
+                run_enqueue(task=run.task, priority=run.priority)
+            except DefinitionError:
+                continue
+            retried += 1
+        self.message_user(request, f"Enqueued {retried} retry run(s).", messages.SUCCESS)
+
+
+@admin.register(Attempt)
+class AttemptAdmin(admin.ModelAdmin):
+    list_display = ("id", "run", "number", "state", "lease_generation", "exit_code", "finished_at")
+    list_filter = ("state",)
+    list_select_related = ("run",)
+    # output_tail is the Worker's own report of its process output: shown on
+    # the change page only, never in lists.
+    readonly_fields = [f.name for f in Attempt._meta.fields]
+    inlines = (AttemptEventInline,)
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

@@ -1,0 +1,211 @@
+"""The operator's console: pages render redacted, actions call services and report counts."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+from dispatch.core.ports import DispatchScope
+from dispatch.cycles import dispatch_cycle, dispatch_paused
+from dispatch.models import DispatchControl, DispatchCycle, LeaseState, RunLease
+from qinglong.testing import (
+    CANARY_COMMAND,
+    CANARY_CWD,
+    CANARY_ENV,
+    canary_definition,
+    claim,
+    make_project,
+    make_run,
+    make_worker,
+    open_session,
+    pending_attempt,
+)
+from runs.models import Run
+from runs.services import task_create
+from workers.models import Worker
+
+pytestmark = pytest.mark.django_db
+
+CANARIES = (CANARY_COMMAND, CANARY_ENV, CANARY_CWD)
+
+
+@pytest.fixture
+def leased():
+    """A canary-spec Run claimed by an open Session; returns (run, lease, token, credential)."""
+    worker, credential = make_worker()
+    opened = open_session(worker)
+    task = task_create(project=make_project(), name="canary", definition=canary_definition())
+    run = make_run(task)
+    _, offer_id, token = claim(pending_attempt(run), opened.session)
+    dispatch_cycle(scope=DispatchScope.global_())  # a DispatchCycle row to show
+    return run, RunLease.objects.get(offer_id=offer_id), token, credential, opened.token
+
+
+def assert_redacted(body: str, *secrets: str) -> None:
+    for secret in (*CANARIES, *secrets):
+        assert secret not in body
+
+
+def act(client, model: str, action: str, ids: list[int]):
+    url = reverse(f"admin:{model}_changelist")
+    return client.post(url, {"action": action, "_selected_action": ids}, follow=True)
+
+
+def messages_of(response) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "dispatch_runlease",
+        "runs_run",
+        "dispatch_dispatchcycle",
+        "workers_worker",
+        "workers_workersession",
+        "runs_attempt",
+        "runs_task",
+        "dispatch_dispatchcontrol",
+    ],
+)
+def test_changelists_render_without_canary_or_token(admin_client, leased, model):
+    _, lease, token, credential, session_token = leased
+    response = admin_client.get(reverse(f"admin:{model}_changelist"))
+    assert response.status_code == 200
+    assert_redacted(response.content.decode(), token, credential, session_token, lease.token_digest)
+
+
+def test_change_views_render_without_canary_or_token(admin_client, leased):
+    run, lease, token, credential, session_token = leased
+    pages = [
+        reverse("admin:dispatch_runlease_change", args=[lease.pk]),
+        reverse("admin:runs_run_change", args=[run.pk]),
+        reverse("admin:dispatch_dispatchcycle_change", args=[DispatchCycle.objects.first().pk]),
+        reverse("admin:workers_worker_change", args=[lease.worker_id]),
+        reverse("admin:workers_workersession_change", args=[lease.session_id]),
+        reverse("admin:runs_task_change", args=[run.task_id]),
+    ]
+    for url in pages:
+        response = admin_client.get(url)
+        assert response.status_code == 200, url
+        body = response.content.decode()
+        assert_redacted(
+            body,
+            token,
+            credential,
+            session_token,
+            lease.token_digest,
+            Worker.objects.get().credential_digest,
+        )
+    lease_page = admin_client.get(pages[0]).content.decode()
+    assert lease.token_digest[:8] in lease_page
+
+
+def test_leases_cannot_be_added_or_deleted_or_edited(admin_client, leased):
+    _, lease, *_ = leased
+    assert admin_client.get(reverse("admin:dispatch_runlease_add")).status_code == 403
+    assert (
+        admin_client.post(
+            reverse("admin:dispatch_runlease_delete", args=[lease.pk]), {"post": "yes"}
+        ).status_code
+        == 403
+    )
+    assert RunLease.objects.filter(pk=lease.pk).exists()
+
+
+def test_revoke_lease_action_revokes_and_reports_the_count(admin_client, leased):
+    run, lease, *_ = leased
+    response = act(admin_client, "dispatch_runlease", "revoke_leases", [lease.pk])
+    assert "Revoked 1 lease(s)." in messages_of(response)
+    lease.refresh_from_db()
+    assert (lease.state, lease.end_reason) == (LeaseState.REVOKED, "operator_revoke")
+    assert Run.objects.get(pk=run.pk).state == "queued"
+
+
+def test_cancel_runs_action_cancels_and_reports_the_count(admin_client):
+    runs = [make_run(), make_run()]
+    response = act(admin_client, "runs_run", "cancel_runs", [r.pk for r in runs])
+    assert "Cancelled 2 run(s)." in messages_of(response)
+    assert set(Run.objects.values_list("state", flat=True)) == {"cancelled"}
+
+
+def test_retry_failed_runs_enqueues_new_runs_of_the_current_revision(admin_client):
+    failed, queued = make_run(), make_run()
+    Run.objects.filter(pk=failed.pk).update(state="failed")
+    response = act(admin_client, "runs_run", "retry_failed_runs", [failed.pk, queued.pk])
+    assert "Enqueued 1 retry run(s)." in messages_of(response)
+    retry = Run.objects.filter(task=failed.task).exclude(pk=failed.pk).get()
+    assert (retry.state, retry.task_revision_id) == ("queued", failed.task.current_revision_id)
+
+
+def test_enqueue_run_action_on_task(admin_client):
+    run = make_run()
+    response = act(admin_client, "runs_task", "enqueue_run", [run.task_id])
+    assert "Enqueued 1 run(s)." in messages_of(response)
+    assert Run.objects.filter(task_id=run.task_id).count() == 2
+
+
+def test_worker_state_actions_go_through_the_service(admin_client):
+    worker, _ = make_worker()
+    opened = open_session(worker)
+    response = act(admin_client, "workers_worker", "drain_workers", [worker.pk])
+    assert "1 worker(s) now draining." in messages_of(response)
+    response = act(admin_client, "workers_worker", "disable_workers", [worker.pk])
+    assert "1 worker(s) now disabled." in messages_of(response)
+    opened.session.refresh_from_db()
+    assert opened.session.state == "offline"  # disabling ends the Session
+    response = act(admin_client, "workers_worker", "activate_workers", [worker.pk])
+    assert Worker.objects.get(pk=worker.pk).admin_state == "active"
+
+
+def test_rotate_credential_shows_the_new_one_once_and_never_the_digest(admin_client):
+    worker, old = make_worker()
+    response = act(admin_client, "workers_worker", "rotate_credentials", [worker.pk])
+    shown = messages_of(response)
+    assert "Rotated 1 credential(s)." in shown
+    [note] = [m for m in shown if "shown once" in m]
+    new = note.rsplit(" ", 1)[-1]
+    worker.refresh_from_db()
+    assert new.startswith("qlw_") and new != old
+    assert worker.credential_prefix == new[:8]
+    assert worker.credential_digest not in response.content.decode()
+    # Not on the next page view.
+    assert new not in admin_client.get(reverse("admin:workers_worker_changelist")).content.decode()
+
+
+def test_kill_switch_pauses_cycles_and_shows_on_the_cycle_list(admin_client):
+    admin_client.get(reverse("admin:dispatch_dispatchcontrol_changelist"))  # creates the row
+    response = act(admin_client, "dispatch_dispatchcontrol", "pause_dispatch", [1])
+    assert "Dispatch paused (1 switch)." in messages_of(response)
+    assert dispatch_paused()
+    assert DispatchControl.objects.get(pk=1).updated_by == "admin:admin"
+    make_run()
+    result = dispatch_cycle(scope=DispatchScope.global_())
+    assert result.summary()["status"] == "paused"
+    assert DispatchCycle.objects.latest("id").status == "paused"
+    page = admin_client.get(reverse("admin:dispatch_dispatchcycle_changelist"))
+    assert "Dispatch is PAUSED" in page.content.decode()
+    act(admin_client, "dispatch_dispatchcontrol", "resume_dispatch", [1])
+    assert not dispatch_paused()
+
+
+def test_kill_switch_toggle_form_goes_through_the_service(admin_client):
+    admin_client.get(reverse("admin:dispatch_dispatchcontrol_changelist"))
+    response = admin_client.post(
+        reverse("admin:dispatch_dispatchcontrol_change", args=[1]),
+        {"paused": "on", "reason": "db upgrade"},
+        follow=True,
+    )
+    assert response.status_code == 200
+    control = DispatchControl.objects.get(pk=1)
+    assert (control.paused, control.reason, control.updated_by) == (
+        True,
+        "db upgrade",
+        "admin:admin",
+    )
+
+
+def test_state_fields_are_read_only_on_run_change(admin_client):
+    run = make_run()
+    admin_client.post(reverse("admin:runs_run_change", args=[run.pk]), {"state": "succeeded"})
+    assert Run.objects.get(pk=run.pk).state == "queued"
