@@ -1,0 +1,376 @@
+"""Dispatcher benchmark on PostgreSQL: is a cycle bounded whatever the backlog?
+
+    .venv/bin/python bench/dispatch_bench.py
+
+Creates a throw-away database (`qinglong_bench`, dropped at the end) on the
+server of BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/postgres),
+migrates it, seeds 64 Worker Sessions and a backlog with bulk_create, and prints:
+
+(a) median wall time and SQL query count of one global `dispatch_cycle` at a
+    backlog of 100 and of 100,000 pending Runs, in two steady states:
+    "full"  — every Worker slot taken (the cycle reads, finds no slot, stops);
+    "claim" — free slots: the cycle claims its budget (8); the claimed rows are
+              reset outside the timed region before the next iteration (a
+              rollback is impossible: each claim commits durably);
+(b) tracemalloc peak per cycle at both backlogs;
+(c) claims per second from 1 and 2 processes through `dispatch_cycle`, beside a
+    bare psycopg loop doing the single-row CAS claim on the same database.
+
+Goals (ADR §1: "throughput from more, shorter cycles, never bigger ones"):
+identical query counts, time ratio ≤ 1.25, memory ratio ≤ 1.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DB = "qinglong_bench"
+SESSIONS = 64
+SMALL, LARGE = 100, 100_000
+ITERATIONS = 25
+MEMORY_ITERATIONS = 5
+THROUGHPUT_S = 5.0
+
+
+def _db_url(base: str, name: str) -> str:
+    parts = urlsplit(base)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))
+
+
+def _bench_env(base: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "DATABASE_URL": _db_url(base, BENCH_DB),
+        "DJANGO_SETTINGS_MODULE": "qinglong.settings_test",
+        "LOG_LEVEL": "WARNING",
+        # All 64 Sessions fit one snapshot (32 x 2 = the hard cap of 64); no
+        # global re-delivery during the run, so every cycle does the same work.
+        "QL_DISPATCH_WORKER_PAGE_SIZE": "32",
+        "QL_DISPATCH_WORKER_MAX_PAGES": "2",
+        "QL_DISPATCH_REDELIVERY_BACKOFF_S": "3600",
+    }
+
+
+def _setup_django(base: str) -> None:
+    os.environ.update(_bench_env(base))
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+
+
+# --------------------------------------------------------------------- seeding
+
+
+def seed_sessions(*, slots: int) -> None:
+    from qinglong import testing
+
+    for _ in range(SESSIONS):
+        testing.open_session(slots=slots)
+
+
+def seed_backlog(count: int, *, task_id: int) -> None:
+    from qinglong.clock import db_now
+    from runs.models import Attempt, Run, Task
+
+    task = Task.objects.get(pk=task_id)
+    assert task.current_revision_id is not None
+    rng = random.Random(count)
+    start = db_now()
+    for offset in range(0, count, 5000):
+        batch = min(5000, count - offset)
+        runs = Run.objects.bulk_create(
+            Run(
+                project_id=task.project_id,
+                task_id=task.pk,
+                task_revision_id=task.current_revision_id,
+                priority=rng.randint(0, 9),
+                queued_at=start - timedelta(seconds=rng.randint(0, 86400)),
+            )
+            for _ in range(batch)
+        )
+        Attempt.objects.bulk_create(
+            Attempt(run=run, number=1, priority=run.priority, queued_at=run.queued_at)
+            for run in runs
+        )
+    _analyze()
+
+
+def _analyze() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+
+
+def reset_claims(lease_ids: list[int]) -> None:
+    """Undo claims outside the timed region: the backlog stays the same size."""
+    from django.db import connection, transaction
+
+    if not lease_ids:
+        return
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            "DELETE FROM runs_attemptevent WHERE attempt_id IN "
+            "(SELECT attempt_id FROM dispatch_runlease WHERE id = ANY(%s))",
+            [lease_ids],
+        )
+        cursor.execute(
+            "UPDATE runs_attempt SET state = 'pending', lease_generation = lease_generation - 1 "
+            "WHERE id IN (SELECT attempt_id FROM dispatch_runlease WHERE id = ANY(%s))",
+            [lease_ids],
+        )
+        cursor.execute(
+            "UPDATE runs_run SET state = 'queued' WHERE id IN "
+            "(SELECT run_id FROM dispatch_runlease WHERE id = ANY(%s))",
+            [lease_ids],
+        )
+        cursor.execute("DELETE FROM dispatch_runlease WHERE id = ANY(%s)", [lease_ids])
+
+
+def release_all() -> None:
+    from dispatch.models import RunLease
+
+    reset_claims(list(RunLease.objects.values_list("id", flat=True)))
+
+
+# ------------------------------------------------------------------- measuring
+
+
+def one_cycle() -> Any:
+    from dispatch.core.ports import DispatchScope
+    from dispatch.cycles import dispatch_cycle
+
+    return dispatch_cycle(scope=DispatchScope.global_())
+
+
+def measure(scenario: str) -> dict[str, Any]:
+    """Median time, query count and tracemalloc peak of one global cycle."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def after(result: Any) -> None:
+        if scenario == "claim":
+            reset_claims([int(o.lease.lease_id) for o in result.offers])
+
+    for _ in range(3):  # warm caches and plans
+        after(one_cycle())
+    times: list[float] = []
+    statuses: set[str] = set()
+    for _ in range(ITERATIONS):
+        started = time.perf_counter()
+        result = one_cycle()
+        times.append((time.perf_counter() - started) * 1000)
+        statuses.add(f"{result.status}/{result.reason}/won={result.counts.claims_won}")
+        after(result)
+    with CaptureQueriesContext(connection) as queries:
+        result = one_cycle()
+    after(result)
+    peaks: list[int] = []
+    for _ in range(MEMORY_ITERATIONS):
+        tracemalloc.start()
+        result = one_cycle()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        after(result)
+    return {
+        "median_ms": statistics.median(times),
+        "queries": len(queries.captured_queries),
+        "peak_kib": statistics.median(peaks) / 1024,
+        "status": ",".join(sorted(statuses)),
+    }
+
+
+def fill_all_slots() -> None:
+    from dispatch.core.result import CycleReason
+
+    for _ in range(100):
+        result = one_cycle()
+        if result.reason == CycleReason.NO_FREE_SLOTS:
+            return
+    raise RuntimeError("could not fill the Worker slots")
+
+
+def backlog_round() -> dict[str, dict[str, Any]]:
+    out = {"claim": measure("claim")}
+    fill_all_slots()
+    out["full"] = measure("full")
+    release_all()
+    return out
+
+
+# ------------------------------------------------------------------ throughput
+
+
+def child_dispatch(seconds: float) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    won = cycles = 0
+    while time.monotonic() < deadline:
+        result = one_cycle()
+        won += result.counts.claims_won
+        cycles += 1
+    return {"claims": won, "cycles": cycles, "seconds": seconds}
+
+
+def child_bare(seconds: float, index: int, of: int) -> dict[str, Any]:
+    import psycopg
+
+    url = os.environ["DATABASE_URL"]
+    won = 0
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT id, version FROM runs_attempt WHERE state = 'pending' AND id %% %s = %s "
+            "ORDER BY id DESC LIMIT 200000",
+            (of, index),
+        ).fetchall()
+        deadline = time.monotonic() + seconds
+        for attempt_id, version in rows:
+            if time.monotonic() >= deadline:
+                break
+            cur = conn.execute(
+                "UPDATE runs_attempt SET state = 'claimed', version = version + 1 "
+                "WHERE id = %s AND version = %s AND state = 'pending'",
+                (attempt_id, version),
+            )
+            won += cur.rowcount == 1
+    return {"claims": won, "seconds": seconds}
+
+
+def run_children(base: str, args_list: list[list[str]]) -> list[dict[str, Any]]:
+    env = _bench_env(base)
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--child", *args],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for args in args_list
+    ]
+    reports = []
+    for child in children:
+        out, _ = child.communicate(timeout=300)
+        if child.returncode != 0:
+            raise RuntimeError(f"bench child failed: {child.returncode}")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def throughput(base: str) -> dict[str, float]:
+    from workers.models import Worker, WorkerSession
+
+    # Plenty of capacity: claims/s is then the claim path's own speed.
+    Worker.objects.update(slots=256)
+    WorkerSession.objects.update(slots=256)
+    rates: dict[str, float] = {}
+    for procs in (1, 2):
+        reports = run_children(base, [["dispatch", str(THROUGHPUT_S)] for _ in range(procs)])
+        rates[f"dispatch_cycle x{procs}"] = sum(r["claims"] for r in reports) / THROUGHPUT_S
+    for procs in (1, 2):
+        reports = run_children(
+            base, [["bare", str(THROUGHPUT_S), str(i), str(procs)] for i in range(procs)]
+        )
+        rates[f"bare CAS x{procs}"] = sum(r["claims"] for r in reports) / THROUGHPUT_S
+    return rates
+
+
+# ------------------------------------------------------------------------ main
+
+
+def _admin(base: str, sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+def _timed(label: str, fn: Callable[[], Any]) -> Any:
+    started = time.perf_counter()
+    value = fn()
+    print(f"  {label}: {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return value
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    base = os.environ.get("BENCH_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+
+    if args.child:
+        _setup_django(base)
+        kind = args.child[0]
+        if kind == "dispatch":
+            report = child_dispatch(float(args.child[1]))
+        else:
+            report = child_bare(float(args.child[1]), int(args.child[2]), int(args.child[3]))
+        print(json.dumps(report))
+        return 0
+
+    _admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
+    _admin(base, f"CREATE DATABASE {BENCH_DB}")
+    try:
+        _setup_django(base)
+        from django.core.management import call_command
+
+        from qinglong import testing
+
+        print("setting up (stderr shows progress)…", file=sys.stderr)
+        _timed("migrate", lambda: call_command("migrate", verbosity=0))
+        task = testing.make_task()
+        _timed("64 sessions", lambda: seed_sessions(slots=1))
+        _timed(f"backlog {SMALL}", lambda: seed_backlog(SMALL, task_id=task.pk))
+        small = _timed("measure small", backlog_round)
+        _timed(f"backlog {LARGE}", lambda: seed_backlog(LARGE - SMALL, task_id=task.pk))
+        large = _timed("measure large", backlog_round)
+        rates = _timed("throughput", lambda: throughput(base))
+        from django.db import connection
+
+        connection.close()
+    finally:
+        _admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
+
+    print(
+        f"\nglobal dispatch_cycle, {SESSIONS} worker sessions, PostgreSQL, budget 8/8x2 "
+        f"(workers 32x2), {ITERATIONS} cycles per cell"
+    )
+    print(f"{'scenario':<8} {'metric':<16} {'backlog 100':>12} {'backlog 100k':>13} {'ratio':>7}")
+    for scenario in ("full", "claim"):
+        s, lg = small[scenario], large[scenario]
+        for metric, key, fmt in (
+            ("median ms", "median_ms", "{:.2f}"),
+            ("SQL queries", "queries", "{}"),
+            ("tracemalloc KiB", "peak_kib", "{:.1f}"),
+        ):
+            ratio = lg[key] / s[key] if s[key] else float("nan")
+            print(
+                f"{scenario:<8} {metric:<16} {fmt.format(s[key]):>12} "
+                f"{fmt.format(lg[key]):>13} {ratio:>7.2f}"
+            )
+        print(f"{'':<8} {'outcome':<16} {s['status']}  |  {lg['status']}")
+    print("\nclaims per second (backlog ~100k, 64 sessions x 256 slots)")
+    for label, rate in rates.items():
+        print(f"  {label:<18} {rate:>9.1f}/s")
+    for procs in (1, 2):
+        d, b = rates[f"dispatch_cycle x{procs}"], rates[f"bare CAS x{procs}"]
+        print(f"  ratio x{procs}: dispatch_cycle / bare CAS = {d / b:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
