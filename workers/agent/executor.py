@@ -1,0 +1,83 @@
+"""The `process` executor: the spec's argv as a local subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["LocalProcess", "ProcessSpawner"]
+
+# The child gets the spec's env over a minimal base, never the agent's whole
+# environment (which may hold the agent's own secrets).
+_BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "SYSTEMROOT")
+
+
+class LocalProcess:
+    def __init__(self, popen: subprocess.Popen[bytes], output: IO[bytes]) -> None:
+        self._popen = popen
+        self._output = output
+        self.pid = popen.pid
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._popen.wait(timeout=timeout)
+
+    def _signal_group(self, signum: int) -> None:
+        # The child leads its own process group: stop what it spawned too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._popen.pid, signum)
+
+    def terminate(self) -> None:
+        self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+
+    def output_tail(self, limit: int) -> str:
+        """The last `limit` bytes of stdout+stderr, decoded leniently."""
+        self._output.flush()
+        size = self._output.seek(0, os.SEEK_END)
+        self._output.seek(max(0, size - limit))
+        data = self._output.read(limit)
+        self._output.close()
+        text = data.decode("utf-8", "replace")
+        # Re-trim: replacement characters can make the text longer in UTF-8.
+        while len(text.encode("utf-8")) > limit:
+            text = text[1:]
+        return text
+
+
+class ProcessSpawner:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+
+    def __call__(self, spec: Mapping[str, Any]) -> LocalProcess:
+        command = [str(part) for part in spec["command"]]
+        cwd = self.workdir
+        if spec.get("cwd"):
+            cwd = (self.workdir / str(spec["cwd"])).resolve()
+        env = {key: os.environ[key] for key in _BASE_ENV if key in os.environ}
+        env.update({str(k): str(v) for k, v in dict(spec.get("env") or {}).items()})
+        output = tempfile.TemporaryFile()  # noqa: SIM115  (closed by output_tail)
+        try:
+            popen = subprocess.Popen(
+                command,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError:
+            output.close()
+            raise
+        return LocalProcess(popen, output)
