@@ -82,6 +82,20 @@ class Agent:
         self.heartbeat_interval_s = float(response.body.get("heartbeat_interval_s", 10))
         log("session_opened", session_id=self.session_id, generation=response.body["generation"])
 
+    def _open_session_patiently(self) -> None:
+        # The control plane may still be starting (scripts/dev) or restarting.
+        delay = 0.5
+        while True:
+            try:
+                self.open_session()
+                return
+            except TransportError as err:
+                log("control_plane_unreachable", error=str(err), retry_in_s=delay)
+                if self.stopping.is_set():
+                    raise
+                self._sleep(delay)
+                delay = min(delay * 2, 10.0)
+
     def _session_call(self, path: str, body: dict[str, Any]) -> Response:
         response = self.transport.post(path, body, token=self.session_token)
         if response.status == 401:
@@ -184,7 +198,7 @@ class Agent:
 
     def run(self, *, once: bool = False) -> int:
         """Serve until stopped; `once`: one pull, run its offers, exit."""
-        self.open_session()
+        self._open_session_patiently()
         next_heartbeat = 0.0
         pulled = False
         while True:
@@ -208,7 +222,7 @@ class Agent:
                 # and stop. A fresh Session takes the next generation.
                 for runner, _ in self.runners.values():
                     runner.cancel("session_lost")
-                self.open_session()
+                self._open_session_patiently()
                 next_heartbeat = 0.0
                 continue
             except TransportError as err:
