@@ -18,6 +18,7 @@ from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
@@ -181,6 +182,9 @@ def _is_api(request: HttpRequest) -> bool:
     return request.path.startswith(API_PREFIX)
 
 
+# No cookie-authenticated action happens here; without the exemption a POST to
+# an unknown /api/ path would get Django's HTML CSRF page instead of the envelope.
+@csrf_exempt
 def api_not_found(request: HttpRequest, *args: object, **kwargs: object) -> JsonResponse:
     """Catch-all for unknown /api/ paths, so even DEBUG answers in the envelope."""
     return JsonResponse(envelope("not_found", "not found"), status=404)

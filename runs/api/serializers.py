@@ -51,15 +51,18 @@ class ResourcesRequestSerializer(serializers.Serializer):
 
 class PreferredTermRequestSerializer(serializers.Serializer):
     labels = serializers.DictField(child=serializers.CharField(max_length=63))
-    weight = serializers.IntegerField(min_value=0, max_value=1000)
+    weight = serializers.IntegerField(min_value=1, max_value=1000)
 
 
 class PlacementRequestSerializer(serializers.Serializer):
     executor_type = serializers.CharField(required=False, allow_null=True)
     required_labels = serializers.DictField(
-        child=serializers.CharField(max_length=63), required=False
+        child=serializers.CharField(max_length=63), required=False, allow_null=True
     )
-    preferred = PreferredTermRequestSerializer(many=True, required=False)
+    # max_length on a many=True serializer is DRF >= 3.15; the stubs lag behind.
+    preferred = PreferredTermRequestSerializer(  # type: ignore[call-arg]
+        many=True, required=False, allow_null=True, max_length=16
+    )
 
 
 class _DefinitionFields(serializers.Serializer):
@@ -79,8 +82,8 @@ class _DefinitionFields(serializers.Serializer):
         help_text=f"Variable names match {ENV_KEY_RE}; never shown by the runs endpoints.",
     )
     timeout_s = serializers.IntegerField(min_value=1, max_value=604800, required=False)
-    resources = ResourcesRequestSerializer(required=False)
-    placement = PlacementRequestSerializer(required=False)
+    resources = ResourcesRequestSerializer(required=False, allow_null=True)
+    placement = PlacementRequestSerializer(required=False, allow_null=True)
     max_attempts = serializers.IntegerField(min_value=1, max_value=100, required=False)
 
 

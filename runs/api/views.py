@@ -63,7 +63,7 @@ def _definition_error(field: str, message: str) -> ApiError:
 
 def _model_error(err: DjangoValidationError) -> ApiError:
     """A model's full_clean() failure: name the fields, never the values."""
-    by_field = getattr(err, "error_dict", {"body": err.error_list})
+    by_field = err.error_dict if hasattr(err, "error_dict") else {"body": err.error_list}
     codes = {(field, e.code or "invalid") for field, errs in by_field.items() for e in errs}
     if any(code in ("unique", "unique_together") for _, code in codes):
         return ApiError(status_code=409, code="already_exists", message="it already exists")

@@ -1,0 +1,212 @@
+"""Nothing secret leaves except in the owning Session's pull response (DESIGN §1).
+
+A Task carries canary strings in its command, env and cwd. Every endpoint is
+driven, error paths included, with every logger at DEBUG; the canaries may
+appear only in the pull responses of the Session holding the lease, and lease
+tokens only in pull responses (and the requests that sent them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from dispatch.models import DispatchCycle, RunLease
+from qinglong.testing import CANARY_COMMAND, CANARY_CWD, CANARY_ENV, canary_definition, make_worker
+from runs.models import AttemptEvent
+from workers.tests.api_helpers import (
+    API,
+    WORKER_API,
+    WorkerClient,
+    bearer,
+    new_lease_token,
+    operator_headers,
+    post_json,
+    put_json,
+)
+
+pytestmark = pytest.mark.django_db
+
+CANARIES = (CANARY_COMMAND, CANARY_ENV, CANARY_CWD.rsplit("/", 1)[-1])
+
+
+@pytest.fixture
+def all_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Every record of every logger at DEBUG, including non-propagating ones."""
+    caplog.set_level(logging.DEBUG)
+    attached = []
+    for name in ("qinglong", "django", "django.request", "django.server", "django.db.backends"):
+        logger = logging.getLogger(name)
+        attached.append((logger, logger.level))
+        logger.setLevel(logging.DEBUG)
+        if not logger.propagate:
+            logger.addHandler(caplog.handler)
+    yield caplog
+    for logger, level in attached:
+        logger.setLevel(level)
+        if caplog.handler in logger.handlers:
+            logger.removeHandler(caplog.handler)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.responses: list[tuple[str, str]] = []
+
+    def add(self, label: str, response: Any) -> Any:
+        self.responses.append((label, response.content.decode("utf-8", "replace")))
+        return response
+
+
+def _log_text(caplog: pytest.LogCaptureFixture) -> str:
+    parts = []
+    for record in caplog.records:
+        parts.append(record.getMessage())
+        parts.append(json.dumps(record.__dict__, default=repr))
+    return "\n".join(parts)
+
+
+def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
+    client: Client, all_logs: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rec = Recorder()
+    op = operator_headers()
+    rec.add("project", post_json(client, f"{API}/projects", {"slug": "leak", "name": "L"}, op))
+    task_body = {"name": "canary", **canary_definition()}
+    rec.add("task", post_json(client, f"{API}/projects/leak/tasks", task_body, op))
+    rec.add("task-dup", post_json(client, f"{API}/projects/leak/tasks", task_body, op))
+    bad = {**task_body, "name": "bad", "env": {"bad key!": CANARY_ENV}, "cwd": f"../{CANARY_CWD}"}
+    rec.add("task-bad", post_json(client, f"{API}/projects/leak/tasks", bad, op))
+    edit = {k: v for k, v in canary_definition().items()}
+    rec.add("task-edit", put_json(client, f"{API}/projects/leak/tasks/canary", edit, op))
+    rec.add("task-edit-bad", put_json(client, f"{API}/projects/leak/tasks/canary", bad, op))
+    run = rec.add(
+        "run", post_json(client, f"{API}/runs", {"project": "leak", "task": "canary"}, op)
+    ).json()
+
+    owner_worker, owner_credential = make_worker(slots=1)
+    other_worker, other_credential = make_worker(slots=1)
+    sessions = {}
+    for name, credential in (("owner", owner_credential), ("other", other_credential)):
+        body = {"executor_types": ["process"], "slots": 1, "agent_version": "leak"}
+        opened = rec.add(
+            f"session-{name}", post_json(client, f"{WORKER_API}/sessions", body, bearer(credential))
+        )
+        sessions[name] = opened.json()["session_token"]
+    owner = WorkerClient(client, sessions["owner"], owner_worker)
+    other = WorkerClient(client, sessions["other"], other_worker)
+
+    tokens: list[str] = []
+
+    def pull(who: str, wc: WorkerClient, **kwargs: Any) -> Any:
+        response, _, token = wc.pull(**kwargs)
+        tokens.append(token)
+        return rec.add(f"pull-{who}", response)
+
+    first = pull("owner", owner)
+    [offer] = first.json()["offers"]
+    token = offer["lease"]["token"]
+    pull_id = str(uuid.uuid4())
+    pull("owner", owner, pull_id=pull_id, lease_token=token)  # replay path
+    pull("owner", owner, pull_id=pull_id, lease_token=token)
+    pull("owner", owner, pull_id=pull_id)  # 409 conflict
+    pull("other", other)
+
+    ack_url = f"{WORKER_API}/leases/{offer['offer_id']}/ack"
+    base = {"lease_token": token, "spec_sha256": offer["spec_sha256"]}
+    rec.add("ack-other", other.ack(offer, "starting", token))
+    rec.add("ack-wrong-token", owner.ack(offer, "starting", new_lease_token()))
+    rec.add("ack-spec", owner.ack({**offer, "spec_sha256": "0" * 64}, "starting", token))
+    rec.add(
+        "ack-extra",
+        post_json(client, ack_url, {**base, "phase": "starting", "spec": "x"}, bearer(owner.token)),
+    )
+    rec.add(
+        "ack-bad-json",
+        client.post(
+            ack_url,
+            data=b'{"lease_token": "' + token.encode() + b'"',
+            content_type="application/json",
+            **bearer(owner.token),
+        ),
+    )
+    rec.add(
+        "ack-415",
+        client.post(
+            ack_url, data=f"lease_token={token}", content_type="text/plain", **bearer(owner.token)
+        ),
+    )
+    rec.add(
+        "ack-413",
+        post_json(
+            client,
+            ack_url,
+            {**base, "phase": "failed", "exit_code": 1, "output_tail": token * 2000},
+            bearer(owner.token),
+        ),
+    )
+    rec.add("ack-starting", owner.ack(offer, "starting", token))
+    rec.add("ack-running", owner.ack(offer, "running", token, executor_handle="pid:7"))
+    rec.add("heartbeat", owner.heartbeat())
+    rec.add("run-detail", client.get(f"{API}/runs/{run['id']}", **op))
+    rec.add("runs", client.get(f"{API}/runs", **op))
+    rec.add("cancel", post_json(client, f"{API}/runs/{run['id']}/cancel", {}, op))
+    rec.add("heartbeat-cancel", owner.heartbeat())
+    rec.add("ack-failed", owner.ack(offer, "failed", token, exit_code=143, output_tail="bye"))
+    rec.add("ack-after", owner.ack(offer, "starting", token))
+    rec.add("run-detail-end", client.get(f"{API}/runs/{run['id']}", **op))
+    rec.add("projects", client.get(f"{API}/projects", **op))
+    rec.add("404", client.get(f"{API}/nothing/{token}", **op))
+    rec.add("405", client.get(ack_url, **bearer(owner.token)))
+    rec.add(
+        "401",
+        post_json(
+            client, f"{WORKER_API}/pull", {"pull_id": pull_id, "lease_token": token}, bearer(token)
+        ),
+    )
+    rec.add("schema", client.get("/api/schema/"))
+    # The old session after a replacement: 401 on every call, with its token in the body.
+    rec.add(
+        "session-owner-2",
+        post_json(
+            client,
+            f"{WORKER_API}/sessions",
+            {"executor_types": ["process"], "slots": 1},
+            bearer(owner_credential),
+        ),
+    )
+    rec.add("pull-replaced", owner.pull(pull_id=pull_id, lease_token=token)[0])
+
+    assert any(CANARY_ENV in body for label, body in rec.responses if label == "pull-owner")
+    all_tokens = {token, *tokens}
+    for label, text in rec.responses:
+        if label != "pull-owner":
+            for canary in CANARIES:
+                assert canary not in text, (label, canary)
+        if not label.startswith("pull-"):
+            for secret in all_tokens:
+                assert secret not in text, (label, "lease token")
+        if label == "pull-other":
+            assert token not in text
+
+    logs = _log_text(all_logs) + capsys.readouterr().err
+    # The capture really saw the service and request logs it is checking.
+    assert "dispatch cycle" in logs and "session opened" in logs and "Forbidden" in logs
+    secrets = [*CANARIES, *all_tokens, owner_credential, other_credential, *sessions.values()]
+    for secret in secrets:
+        assert secret not in logs
+
+    # Durable telemetry is redacted too.
+    for rows in (
+        DispatchCycle.objects.values(),
+        AttemptEvent.objects.values(),
+        RunLease.objects.values(),
+    ):
+        text = str(list(rows))
+        for secret in (*CANARIES, *all_tokens):
+            assert secret not in text
