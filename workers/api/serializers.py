@@ -196,7 +196,10 @@ class AckRequestSerializer(StrictSerializer):
         max_length=MAX_OUTPUT_TAIL_BYTES,
         required=False,
         allow_blank=True,
-        help_text="At most 64 KiB (UTF-8).",
+        help_text=(
+            "At most 64 KiB of UTF-8. The whole ACK body is capped at 80 KiB: send the "
+            "JSON as UTF-8 without \\u escapes (Python: ensure_ascii=False) or trim further."
+        ),
     )
 
     def validate_output_tail(self, value: str) -> str:

@@ -341,3 +341,27 @@ def test_unknown_api_paths_and_methods_use_the_envelope(client: Client, claimed:
     response = client.delete(f"{API}/runs", **operator_headers())
     assert response.status_code == 405
     assert error_code(response) == "method_not_allowed"
+
+
+def test_an_unexpected_error_is_a_500_envelope_without_details(
+    claimed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wc = claimed[0]
+
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("internal detail CANARY-500")
+
+    monkeypatch.setattr("workers.api.views.session_heartbeat", broken)
+    quiet = Client(raise_request_exception=False)
+    response = post_json(quiet, f"{WORKER_API}/heartbeat", {}, bearer(wc.token))
+    assert response.status_code == 500
+    assert error_code(response) == "internal_error"
+    assert "CANARY-500" not in response.content.decode()
+
+
+def test_operator_bodies_are_capped_too(client: Client) -> None:
+    response = post_json(
+        client, f"{API}/projects", {"slug": "x", "name": "y" * (300 * 1024)}, operator_headers()
+    )
+    assert response.status_code == 413
+    assert error_code(response) == "payload_too_large"
