@@ -94,7 +94,7 @@ def test_celery_dispatch_task_result_and_messages_carry_no_spec_or_token(canary_
     assert_clean(rendered_logs(debug_logs), opened.token)
 
 
-def test_redis_notifier_publishes_offer_ids_only(canary_runs):
+def test_redis_notifier_publishes_offer_ids_only(canary_runs) -> None:
     from dispatch.core.ports import DispatchScope
     from dispatch.cycles import dispatch_cycle
     from dispatch.notify import RedisOfferNotifier, offer_channel

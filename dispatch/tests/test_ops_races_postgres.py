@@ -84,7 +84,9 @@ def expire_in(lease: RunLease, seconds: float) -> None:
     RunLease.objects.filter(pk=lease.pk).update(expires_at=db_now() + timedelta(seconds=seconds))
 
 
-def test_starting_ack_committing_as_the_lease_expires_wins_and_the_sweeper_backs_off(monkeypatch):
+def test_starting_ack_committing_as_the_lease_expires_wins_and_the_sweeper_backs_off(
+    monkeypatch,
+) -> None:
     session, run, lease, token = claimed()
     # The ACK passes its expiry check, then holds its locks past expires_at.
     expire_in(lease, HOLD_S / 2)
@@ -107,7 +109,7 @@ def test_starting_ack_committing_as_the_lease_expires_wins_and_the_sweeper_backs
     assert Run.objects.get(pk=run.pk).state == "running"
 
 
-def test_sweeper_expiring_first_makes_the_waiting_starting_ack_a_409(monkeypatch):
+def test_sweeper_expiring_first_makes_the_waiting_starting_ack_a_409(monkeypatch) -> None:
     session, run, lease, token = claimed()
     expire_in(lease, -1)
     entered = threading.Event()
@@ -129,7 +131,7 @@ def test_sweeper_expiring_first_makes_the_waiting_starting_ack_a_409(monkeypatch
     assert Run.objects.get(pk=run.pk).state == "queued"
 
 
-def test_completion_committing_while_the_sweeper_waits_is_never_overwritten(monkeypatch):
+def test_completion_committing_while_the_sweeper_waits_is_never_overwritten(monkeypatch) -> None:
     session, run, lease, token = claimed(ack=(AckPhase.STARTING, AckPhase.RUNNING))
     lease.refresh_from_db()
     expire_in(lease, HOLD_S / 2)

@@ -114,7 +114,7 @@ class FakeSpawner:
         return self.process
 
 
-def runner_with(answers=None, process=None, offer=None, **kwargs):
+def runner_with(answers=None, process=None, offer=None, **kwargs: Any) -> tuple[Any, ...]:
     log: list[str] = []
     transport = FakeTransport(answers, log)
     spawner = FakeSpawner(process or FakeProcess(), log)
