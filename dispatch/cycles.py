@@ -27,8 +27,14 @@ from dispatch.core.offer import ClaimedExecutionOffer
 from dispatch.core.ports import DispatchScope, PullCredential, Scope
 from dispatch.core.result import DispatchCycleResult
 from dispatch.models import DispatchControl, DispatchCycle
-from dispatch.services import lease_revoke, leases_over_delivered, leases_record_delivery
+from dispatch.services import (
+    MAX_DELIVERIES_REASON,
+    lease_revoke,
+    leases_over_delivered,
+    leases_record_delivery,
+)
 from qinglong.clock import db_now
+from runs.models import AttemptState
 from runs.services import Outcome
 from workers.models import WorkerSession
 
@@ -115,7 +121,12 @@ def _revoke_over_delivered(*, session_pk: int, max_deliveries: int) -> int:
     and the Attempt returns to pending for another Worker."""
     revoked = 0
     for lease_id in leases_over_delivered(max_deliveries=max_deliveries, session_pk=session_pk):
-        if lease_revoke(lease_id, reason="max_deliveries") is Outcome.APPLIED:
+        # Re-checked under the row locks: a starting ACK that committed after
+        # the read keeps its lease (the Attempt is no longer claimed).
+        outcome = lease_revoke(
+            lease_id, reason=MAX_DELIVERIES_REASON, only_if_attempt_state=AttemptState.CLAIMED
+        )
+        if outcome is Outcome.APPLIED:
             revoked += 1
     return revoked
 
@@ -172,9 +183,14 @@ def dispatch_cycle(
         max_offers=max_offers,
     )
     if result.offers:
-        # Telemetry (never authority): counts pulls toward max_deliveries and
-        # starts the global redelivery backoff, on the database clock.
-        leases_record_delivery((offer.lease.lease_id for offer in result.offers), now=db_now())
+        # Telemetry (never authority), on the database clock: a pull counts
+        # toward max_deliveries; a global announcement only restarts the
+        # redelivery backoff (DESIGN §3, §4).
+        leases_record_delivery(
+            (offer.lease.lease_id for offer in result.offers),
+            now=db_now(),
+            count=scope.kind is Scope.SESSION,
+        )
     _record(result, scope=scope)
     if scope.kind is Scope.GLOBAL and result.offers:
         _notify(notifier or NullOfferNotifier(), result.offers)

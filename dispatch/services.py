@@ -36,6 +36,8 @@ from workers.models import WorkerAdminState, WorkerSession
 
 logger = logging.getLogger("qinglong.dispatch")
 
+MAX_DELIVERIES_REASON = "max_deliveries"
+
 
 # ------------------------------------------------------------------------ claim
 
@@ -98,6 +100,13 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
                 or session.worker.admin_state != WorkerAdminState.ACTIVE
             ):
                 return unavailable
+            if RunLease.objects.filter(
+                attempt=attempt, session=session, end_reason=MAX_DELIVERIES_REASON
+            ).exists():
+                # DESIGN §4: an Attempt this Session was handed max_deliveries
+                # times without starting it goes to another Worker (or to a
+                # later Session of this one), never back to the same Session.
+                return lost
             capacity = min(session.slots, session.worker.slots)
             if (
                 RunLease.objects.filter(session=session, state=LeaseState.ACTIVE).count()
@@ -468,14 +477,22 @@ def leases_renew_for_session(session: WorkerSession, *, now: datetime) -> int:
     ).update(expires_at=now + timedelta(seconds=_lease_ttl_s()), version=F("version") + 1)
 
 
-def leases_record_delivery(lease_ids: Iterable[str | int], *, now: datetime) -> int:
-    """Count a delivery of each lease. Telemetry only: never authority (DESIGN §2)."""
+def leases_record_delivery(
+    lease_ids: Iterable[str | int], *, now: datetime, count: bool = True
+) -> int:
+    """Record that leases were delivered (a pull) or announced (`count=False`).
+
+    Telemetry only, never authority (DESIGN §2). Only a Worker's pull counts
+    toward `max_deliveries` (DESIGN §4); a global cycle's content-free
+    notification just restarts the redelivery backoff.
+    """
     ids = [int(i) for i in lease_ids]
     if not ids:
         return 0
-    return RunLease.objects.filter(pk__in=ids, state=LeaseState.ACTIVE).update(
-        delivery_count=F("delivery_count") + 1, last_delivered_at=now
-    )
+    changes: dict[str, object] = {"last_delivered_at": now}
+    if count:
+        changes["delivery_count"] = F("delivery_count") + 1
+    return RunLease.objects.filter(pk__in=ids, state=LeaseState.ACTIVE).update(**changes)
 
 
 def leases_over_delivered(*, max_deliveries: int, session_pk: int | None = None) -> list[int]:

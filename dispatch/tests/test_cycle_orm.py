@@ -175,6 +175,19 @@ def test_global_recovery_waits_for_the_redelivery_backoff() -> None:
     assert again.status is CycleStatus.IDLE
 
 
+def test_global_announcements_do_not_count_as_deliveries() -> None:
+    testing.open_session()
+    testing.make_run()
+    with budget(redelivery_backoff_s=0, max_deliveries=2):
+        for _ in range(4):
+            dispatch_cycle(scope=GLOBAL)
+    lease = RunLease.objects.get()
+    # Only a Worker's pull counts toward max_deliveries (DESIGN §4); the
+    # global cycle's content-free nudges only restart the backoff.
+    assert (lease.state, lease.delivery_count) == (LeaseState.ACTIVE, 0)
+    assert lease.last_delivered_at is not None
+
+
 def test_cancelled_run_is_not_redelivered() -> None:
     testing.open_session()
     run = testing.make_run()
@@ -353,11 +366,16 @@ def test_over_delivered_lease_is_revoked_on_pull() -> None:
         result = dispatch_cycle(scope=session_scope(session), pull=credential)
     first.refresh_from_db()
     assert (first.state, first.end_reason) == (LeaseState.REVOKED, "max_deliveries")
-    # The Attempt went back to pending, so this very pull may claim it again,
-    # but only as a new lease generation, never the over-delivered lease.
-    (offer,) = result.offers
+    # The Attempt went back to pending for another Worker: never to this Session.
+    assert result.offers == ()
+    assert run.attempts.get().state == "pending"
+    other = testing.open_session().session
+    with budget(max_deliveries=2):
+        taken = dispatch_cycle(scope=session_scope(other), pull=pull())
+    (offer,) = taken.offers
     assert offer.source is OfferSource.NEW_CLAIM
-    assert offer.lease.lease_id != str(first.pk)
+    assert offer.lease.generation == 2
+    assert offer.session_id == str(other.session_id)
     assert offer.lease.generation == 2
     attempt = Attempt.objects.get(run=run)
     assert (attempt.state, attempt.lease_generation) == (AttemptState.CLAIMED, 2)

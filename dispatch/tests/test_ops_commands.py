@@ -187,7 +187,9 @@ def seed_every_category() -> dict[str, int]:
         "spec_drift": _lease_for(session),
         "orphaned": _lease_for(session, ack=AckPhase.STARTING),
     }
-    RunLease.objects.filter(pk=leases["awaiting_start"].pk).update(delivery_count=1)
+    RunLease.objects.filter(pk=leases["awaiting_start"].pk).update(
+        delivery_count=1, last_delivered_at=timezone.now()
+    )
     RunLease.objects.filter(pk=leases["expired"].pk).update(
         expires_at=timezone.now() - timedelta(seconds=5)
     )

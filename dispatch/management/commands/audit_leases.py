@@ -83,7 +83,8 @@ def classify(lease: RunLease, *, now: datetime) -> str:
         return "spec_drift"
     if attempt.state in (AttemptState.STARTING, AttemptState.RUNNING):
         return "running"
-    if lease.delivery_count > 0:
+    if lease.last_delivered_at is not None:
+        # Pulled or announced to its Session, not yet ACKed starting.
         return "awaiting_start"
     return "deliverable"
 
