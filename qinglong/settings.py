@@ -126,6 +126,10 @@ if env_bool("QL_ALLOW_PRELOAD_UNSET", True):
     # HSTS preload is an opt-in commitment to browser vendors, not a default.
     SILENCED_SYSTEM_CHECKS.append("security.W021")
 
+# Admin messages can carry a rotated Worker credential (shown once): keep them
+# server-side in the session, never in a (signed, readable) cookie.
+MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
+
 # Request bodies are capped; the worker API enforces its own smaller caps too.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 256 * 1024, minimum=1024)
 # Load balancers probe /healthz over plain HTTP inside the cluster.
