@@ -79,3 +79,35 @@ def close_request_bodies(result: dict[str, Any], generator: Any, **kwargs: Any) 
         if name.endswith("Request") and schema.get("type") == "object":
             schema.setdefault("additionalProperties", False)
     return result
+
+
+PROTOCOL = """
+
+## Worker protocol (DESIGN §4)
+
+1. An operator runs `manage.py enroll_worker NAME --slots N --executor TYPE` and gives the
+   Worker its credential (printed once).
+2. `POST /api/v1/worker/sessions` with `Authorization: Bearer <credential>` opens a Session
+   and returns a `session_token` (shown once). A new Session fences every earlier one:
+   their tokens get `401 session_replaced` and their unstarted leases go back to the queue.
+3. Every other Worker call sends `Authorization: Bearer <session_token>`.
+   `POST /api/v1/worker/heartbeat` every `heartbeat_interval_s`; stop every offer id it
+   lists in `cancel`.
+4. `POST /api/v1/worker/pull` with a fresh `pull_id` (UUID) and a fresh `lease_token`
+   (32 random bytes, base64url). Each offer carries the ExecutionSpec and `spec_sha256`
+   (SHA-256 of the canonical JSON: sorted keys, `(",", ":")` separators, UTF-8, no ASCII
+   escaping); verify it. If the response is lost, repeat the same `pull_id` and token.
+5. `POST /api/v1/worker/leases/{offer_id}/ack` with the lease token and `spec_sha256`:
+   `starting` before spawning anything (a 409 means: do not run it), then `running`
+   (`executor_handle`), then `succeeded`/`failed` (`exit_code`) or `start_failed`.
+   Any 409 means: stop the Attempt. `cancel_requested: true` means: stop and ACK the end.
+
+Errors are always `{"error": {"code", "message"}}`; 429 and 503 carry `Retry-After`.
+"""
+
+
+def describe_protocol(result: dict[str, Any], generator: Any, **kwargs: Any) -> dict[str, Any]:
+    """POSTPROCESSING_HOOK: the protocol walk-through a Worker author starts from."""
+    info = result.setdefault("info", {})
+    info["description"] = str(info.get("description", "")) + PROTOCOL
+    return result

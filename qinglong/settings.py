@@ -204,6 +204,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "qinglong.api_schema.close_request_bodies",
+        "qinglong.api_schema.describe_protocol",
     ],
 }
 

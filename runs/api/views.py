@@ -123,6 +123,8 @@ class ProjectListQuerySerializer(StrictSerializer):
 
 
 class ProjectsView(OperatorApiView):
+    """Projects: namespaces that own Tasks (list keyset-paginated by slug)."""
+
     @extend_schema(
         operation_id="projects_list",
         tags=["operator"],
@@ -162,6 +164,8 @@ class ProjectsView(OperatorApiView):
 
 
 class TasksView(OperatorApiView):
+    """A Project's Tasks."""
+
     @extend_schema(
         operation_id="tasks_create",
         summary="Create a Task (revision 1)",
@@ -192,6 +196,8 @@ class TasksView(OperatorApiView):
 
 
 class TaskView(OperatorApiView):
+    """One Task; each edit is a new immutable revision."""
+
     @extend_schema(
         operation_id="tasks_update",
         summary="Edit a Task: the body becomes a new immutable revision",
@@ -225,6 +231,8 @@ class RunListQuerySerializer(StrictSerializer):
 
 
 class RunsView(OperatorApiView):
+    """Runs: enqueue one, or list them newest first."""
+
     @extend_schema(
         operation_id="runs_list",
         summary="Runs, newest first (keyset-paginated)",
@@ -272,6 +280,8 @@ _RUN_ID = OpenApiParameter(
 
 
 class RunView(OperatorApiView):
+    """One Run with its Attempts and redacted lease facts."""
+
     @extend_schema(
         operation_id="runs_retrieve",
         summary="A Run with its Attempts and redacted lease facts (never the spec)",
@@ -291,6 +301,8 @@ class EmptyRequestSerializer(StrictSerializer):
 
 
 class RunCancelView(OperatorApiView):
+    """Cancel a Run (idempotent)."""
+
     @extend_schema(
         operation_id="runs_cancel",
         summary="Cancel a Run (idempotent)",

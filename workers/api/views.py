@@ -78,6 +78,8 @@ class WorkerApiView(ApiView):
 
 
 class SessionOpenView(WorkerApiView):
+    """Open a Worker Session with the Worker credential."""
+
     authentication_classes = [WorkerCredentialAuthentication]
     permission_classes = [IsEnabledWorker]
     throttle_classes = [SessionOpenThrottle]
@@ -127,6 +129,8 @@ class SessionOpenView(WorkerApiView):
 
 
 class HeartbeatView(WorkerApiView):
+    """Session heartbeat."""
+
     @extend_schema(
         operation_id="worker_heartbeat",
         summary="Keep the Session online, renew started leases, get cancel verdicts",
@@ -153,6 +157,8 @@ class HeartbeatView(WorkerApiView):
 
 
 class PullView(WorkerApiView):
+    """Pull this Session's offers."""
+
     throttle_classes = [PullThrottle]
 
     @extend_schema(
@@ -197,6 +203,8 @@ class PullView(WorkerApiView):
 
 
 class AckView(WorkerApiView):
+    """ACK a phase of a leased Attempt."""
+
     @extend_schema(
         operation_id="worker_lease_ack",
         summary="ACK a lease phase: starting, running, start_failed, succeeded, failed",
