@@ -8,7 +8,9 @@ directory; `DATABASE_URL=postgres://…` selects PostgreSQL (psycopg 3).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +21,42 @@ from qinglong.env import env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
+# QL_PRODUCTION=1 declares a deployment behind TLS: SECRET_KEY must come from
+# the environment and the HTTPS-only defaults below switch on, so that
+# `manage.py check --deploy` is clean. Without it (the embedded default, a
+# demo, CI) the control plane serves plain HTTP on loopback.
+PRODUCTION = env_bool("QL_PRODUCTION", False)
 DEBUG = env_bool("DEBUG", False)
+if PRODUCTION and DEBUG:
+    raise ImproperlyConfigured("DEBUG must be off when QL_PRODUCTION is on.")
 
-_DEV_SECRET_KEY = "django-insecure-qinglong-development-only-never-in-production-0123456789"
+
+def _local_secret_key(path: Path) -> str:
+    """A random key made once per installation and kept beside the database.
+
+    There is no built-in key to leak: a fresh clone gets its own, and restarts
+    keep it (lease tokens of global claims are derived from it).
+    """
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(50)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it first: use theirs
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key)
+    return key
+
+
 SECRET_KEY = env_str("SECRET_KEY", "")
 if not SECRET_KEY:
-    if not DEBUG:
-        raise ImproperlyConfigured(
-            "SECRET_KEY must be set when DEBUG is off (set DEBUG=1 for local development)."
-        )
-    SECRET_KEY = _DEV_SECRET_KEY
+    if PRODUCTION:
+        raise ImproperlyConfigured("SECRET_KEY must be set when QL_PRODUCTION is on.")
+    SECRET_KEY = _local_secret_key(BASE_DIR / "var" / "secret_key")
 
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -112,11 +140,11 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"
 
 # --- security (production defaults; `manage.py check --deploy` stays clean) --
-SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
-SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
-CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
-SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000, minimum=0)
-SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", not DEBUG)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", PRODUCTION)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", PRODUCTION)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", PRODUCTION)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000 if PRODUCTION else 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", PRODUCTION)
 SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_CONTENT_TYPE_NOSNIFF = True
