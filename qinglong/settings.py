@@ -71,6 +71,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "qinglong.apps.QinglongConfig",
     "runs.apps.RunsConfig",
     "workers.apps.WorkersConfig",
@@ -217,6 +218,10 @@ if DEBUG:
         "rest_framework.renderers.BrowsableAPIRenderer"
     )
 SPECTACULAR_SETTINGS = {
+    # Swagger UI served from this installation: edge boxes have no CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     "TITLE": "Qinglong control plane API",
     "DESCRIPTION": "Worker protocol (sessions, heartbeat, pull, ACK) and operator API.",
     "VERSION": "1.0.0",

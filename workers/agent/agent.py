@@ -24,6 +24,9 @@ from workers.agent.protocol import (
 
 __all__ = ["Agent", "SessionLost", "log"]
 
+# The pull endpoint accepts 1..16 offers per request (DESIGN §4 wire format).
+MAX_OFFERS_PER_PULL = 16
+
 
 def log(event: str, **fields: Any) -> None:
     """One JSON line on stderr: ids and states only, never a spec or token."""
@@ -121,6 +124,7 @@ class Agent:
         return self.slots - len(self.runners)
 
     def pull(self) -> int:
+        """One pull for up to the free slots (the API takes at most 16 per pull)."""
         free = self.free_slots()
         if free <= 0:
             return 0
@@ -128,7 +132,7 @@ class Agent:
         body: dict[str, Any] = {
             "pull_id": str(uuid.uuid4()),
             "lease_token": pull_token,
-            "max_offers": free,
+            "max_offers": min(free, MAX_OFFERS_PER_PULL),
         }
         self._recent_tokens.append(pull_token)
         try:

@@ -27,7 +27,9 @@ class HttpTransport:
     def post(self, path: str, body: Mapping[str, Any], *, token: str) -> Response:
         request = urllib.request.Request(  # noqa: S310  (scheme checked in __init__)
             self.base_url + path,
-            data=json.dumps(body).encode("utf-8"),
+            # UTF-8 as is: \uXXXX escapes would blow a legal 64 KiB output
+            # tail past the server's body cap.
+            data=json.dumps(body, ensure_ascii=False).encode("utf-8"),
             method="POST",
             headers={
                 "Authorization": f"Bearer {token}",

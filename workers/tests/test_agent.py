@@ -246,3 +246,20 @@ def test_agent_cli_documents_itself(argv):
     )
     assert result.returncode == 0
     assert "--credential-file" in result.stdout and "--once" in result.stdout
+
+
+def test_pull_asks_for_at_most_sixteen_offers_however_many_slots():
+    from workers.agent.agent import MAX_OFFERS_PER_PULL, Agent
+
+    transport = FakeTransport(answers={"None": Response(200, {"offers": []})})
+    agent = Agent(
+        transport=transport,
+        credential="c" * 43,
+        slots=40,
+        executor="process",
+        spawn=FakeSpawner(FakeProcess(), []),
+    )
+    agent.session_token = "s" * 43
+    agent.pull()
+    (call,) = [c for c in transport.calls if c["path"].endswith("/pull")]
+    assert call["max_offers"] == MAX_OFFERS_PER_PULL == 16
