@@ -241,6 +241,20 @@ SPECTACULAR_SETTINGS = {
     ],
 }
 
+# --- cache (API throttling) ---------------------------------------------------
+# Per-process memory on the embedded default; a cluster shares its rate limits
+# across web nodes through Redis (QL_CACHE_URL=redis://…).
+_CACHE_URL = env_str("QL_CACHE_URL", "")
+if _CACHE_URL and not _CACHE_URL.startswith(("redis://", "rediss://")):
+    raise ImproperlyConfigured("QL_CACHE_URL must be a redis:// or rediss:// URL.")
+CACHES: dict[str, Any] = {
+    "default": (
+        {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": _CACHE_URL}
+        if _CACHE_URL
+        else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+    )
+}
+
 # --- Celery (cluster deployment; the embedded default runs without it) ------
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", "") or None

@@ -82,3 +82,11 @@ def test_check_deploy_is_clean_with_production_settings():
     )
     assert result.returncode == 0, result.stderr
     assert "no issues" in result.stdout
+
+
+def test_cache_url_must_be_redis():
+    result = _manage("check", QL_CACHE_URL="memcached://x", SECRET_KEY="x" * 60)
+    assert result.returncode != 0
+    assert "QL_CACHE_URL" in result.stderr
+    ok = _manage("check", QL_CACHE_URL="redis://127.0.0.1:6379/3", SECRET_KEY="x" * 60)
+    assert ok.returncode == 0, ok.stderr
