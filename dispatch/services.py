@@ -100,6 +100,15 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
                 or session.worker.admin_state != WorkerAdminState.ACTIVE
             ):
                 return unavailable
+            if (
+                request.pull_id is not None
+                and RunLease.objects.filter(session=session, pull_id=request.pull_id)
+                .exclude(token_digest=request.token_digest)
+                .exists()
+            ):
+                # ADR-0108: one pull id, one token. Checked under the Session
+                # lock, so two racing pulls reusing an id cannot both claim.
+                return unavailable
             if RunLease.objects.filter(
                 attempt=attempt, session=session, end_reason=MAX_DELIVERIES_REASON
             ).exists():

@@ -8,6 +8,7 @@ winner's commit), and the rows end in a state one writer alone could produce.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -210,3 +211,25 @@ def test_concurrent_task_edits_take_distinct_revisions():
 def test_connection_is_postgres():
     # Guards against the pass silently running these on another backend.
     assert connection.vendor == "postgresql"
+
+
+def test_racing_pulls_reusing_a_pull_id_never_mix_tokens():
+    from workers.api.pull import PullIdConflict, worker_pull
+
+    session = open_session(slots=4).session
+    for _ in range(4):
+        make_run()
+    pull_id = uuid.uuid4()
+
+    def pull(token: str) -> Callable[[], Any]:
+        def call() -> Any:
+            fresh = WorkerSession.objects.select_related("worker").get(pk=session.pk)
+            return worker_pull(session=fresh, pull_id=pull_id, lease_token=token, max_offers=2)
+
+        return call
+
+    results = race(pull("a" * 43), pull("b" * 43))
+    digests = set(RunLease.objects.filter(pull_id=pull_id).values_list("token_digest", flat=True))
+    assert len(digests) == 1  # every lease of the pull id carries one token
+    assert RunLease.objects.filter(pull_id=pull_id).count() >= 1
+    assert all(not isinstance(r, Exception) or isinstance(r, PullIdConflict) for r in results)

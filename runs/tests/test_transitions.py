@@ -392,3 +392,17 @@ def test_cancel_lost_race_is_reported():
         services._active_attempt = original
     assert Run.objects.get(pk=run.pk).state == "queued"
     assert not Run.objects.get(pk=run.pk).cancel_requested
+
+
+def test_claim_reusing_a_pull_id_with_another_token_is_refused():
+    session = open_session(slots=2).session
+    first, second = pending_attempt(make_run()), pending_attempt(make_run())
+    pull_id = "7d1f6c1e-8f0a-4d55-9d0c-1b2a3c4d5e6f"
+    won, _, _ = claim(first, session, pull_id=pull_id, token="a" * 43)
+    assert won.status is ClaimStatus.WON
+    before = _snapshot(second)
+    refused, _, _ = claim(second, session, pull_id=pull_id, token="b" * 43)
+    assert refused.status is ClaimStatus.WORKER_UNAVAILABLE
+    assert _snapshot(second) == before
+    again, _, _ = claim(second, session, pull_id=pull_id, token="a" * 43)
+    assert again.status is ClaimStatus.WON
