@@ -34,6 +34,12 @@ def require_str(
     # carries one would not run what the operator saw.
     if "\x00" in value:
         raise error(field, "must not contain NUL characters")
+    # A lone surrogate has no UTF-8 form: the canonical JSON (and so the spec
+    # digest) could never be computed, and PostgreSQL's jsonb rejects it.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(field, "must be valid Unicode text") from None
     return value
 
 

@@ -161,6 +161,10 @@ def validate_env(value: object) -> dict[str, str]:
             raise SpecError("env", f"values must be at most {MAX_ENV_VALUE_CHARS} characters")
         if "\x00" in item:
             raise SpecError("env", "values must not contain NUL characters")
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SpecError("env", "values must be valid Unicode text") from None
         env[key] = item
     return env
 

@@ -429,3 +429,20 @@ def test_command_errors_never_echo_the_value(index: int, kind: str) -> None:
         validate_command(command)
     assert CANARY not in str(err.value)
     assert err.value.field == f"command[{index}]"
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"command": ["echo", "x\ud800"]}, "command[1]"),
+        ({"env": {"API_KEY": "hunter2\udfff"}}, "env"),
+        ({"cwd": "/srv/\ud800"}, "cwd"),
+        ({"placement": {"required_labels": {"zone": "a\ud800"}}}, "placement.required_labels"),
+    ],
+)
+def test_lone_surrogates_are_rejected_before_anything_is_hashed(override, field) -> None:
+    raw = {"executor_type": "process", "command": ["echo", "hi"], **override}
+    with pytest.raises(SpecError) as err:
+        validate_task_definition(raw)
+    assert err.value.field.startswith(field.split("[")[0])
+    assert "\ud800" not in str(err.value) and "hunter2" not in str(err.value)
