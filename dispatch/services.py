@@ -23,7 +23,7 @@ from dispatch.core.offer import token_digest, tokens_equal
 from dispatch.core.ports import ClaimOutcome, ClaimRequest, ClaimStatus
 from dispatch.models import LeaseSource, LeaseState, RunLease
 from qinglong.clock import db_now
-from runs.models import Attempt, AttemptState, Run, RunState
+from runs.models import Attempt, AttemptState, Project, Run, RunState
 from runs.services import (
     IllegalTransition,
     LostRace,
@@ -32,7 +32,7 @@ from runs.services import (
     attempt_transition,
     run_transition,
 )
-from workers.models import WorkerAdminState, WorkerSession
+from workers.models import SESSION_CURRENT_STATES, WorkerAdminState, WorkerSession
 
 logger = logging.getLogger("qinglong.dispatch")
 
@@ -56,8 +56,10 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
         with transaction.atomic(durable=True):
             skip = _skip_locked(request)
             # Lock the Run then the Attempt: their transitions commit together.
+            # of=self: lock the Run row only, never the Project or revision
+            # joined in (other Runs of the same Task must stay claimable).
             run = (
-                Run.objects.select_for_update(skip_locked=skip)
+                Run.objects.select_for_update(skip_locked=skip, of=("self",))
                 .select_related("task_revision", "project")
                 .filter(pk=request.run_id)
                 .first()
@@ -76,18 +78,16 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
                 or attempt.lease_generation + 1 != request.lease_generation
             ):
                 return lost
-            if run.project.max_concurrent_runs and (
-                Run.objects.filter(
-                    project_id=run.project_id,
-                    state__in=(RunState.DISPATCHING, RunState.RUNNING),
-                ).count()
-                >= run.project.max_concurrent_runs
+            if run.project.max_concurrent_runs and not _project_has_room(
+                run.project_id, limit=run.project.max_concurrent_runs
             ):
                 return lost
             # Lock the Session: slot accounting must see every committed lease
             # of this Session, and a replacement must wait for this claim.
+            # No-key lock: a lease insert's foreign-key check (KEY SHARE) and a
+            # Session open's Worker lock never wait on it.
             session = (
-                WorkerSession.objects.select_for_update(of=("self",))
+                WorkerSession.objects.select_for_update(of=("self",), no_key=True)
                 .select_related("worker")
                 .filter(session_id=request.session_id)
                 .first()
@@ -163,6 +163,21 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
     return ClaimOutcome(status=ClaimStatus.WON, lease_id=str(lease.pk), expires_at=lease.expires_at)
 
 
+def _project_has_room(project_id: int, *, limit: int) -> bool:
+    """Quota check for `Project.max_concurrent_runs`, inside the claim transaction.
+
+    The Project row is locked (no-key, so Run inserts still pass) so that two
+    claims in one Project cannot both take its last slot.
+    """
+    Project.objects.select_for_update(no_key=True).filter(pk=project_id).values_list(
+        "pk", flat=True
+    ).first()
+    active = Run.objects.filter(
+        project_id=project_id, state__in=(RunState.DISPATCHING, RunState.RUNNING)
+    ).count()
+    return active < limit
+
+
 class DatabaseClaimPort:
     """The `ClaimPort` of `dispatch.core` over `lease_claim`."""
 
@@ -212,15 +227,27 @@ def _return_or_lose(attempt: Attempt, run: Run, *, reason: str, now: datetime) -
         )
 
 
-def _lock_chain(lease_id: int) -> tuple[Run, Attempt, RunLease] | None:
-    """Lock Run → Attempt → RunLease of one lease, in the global lock order."""
-    ids = RunLease.objects.filter(pk=lease_id).values("run_id", "attempt_id").first()
+def _lock_chain(
+    lease_id: int, *, session: bool = False
+) -> tuple[Run, Attempt, WorkerSession | None, RunLease] | None:
+    """Lock Run → Attempt → (WorkerSession) → RunLease of one lease, in the global lock order."""
+    ids = RunLease.objects.filter(pk=lease_id).values("run_id", "attempt_id", "session_id").first()
     if ids is None:
         return None
-    run = Run.objects.select_for_update().select_related("task_revision").get(pk=ids["run_id"])
+    # of=self everywhere: never lock the Task revision joined in for reading.
+    run = (
+        Run.objects.select_for_update(of=("self",))
+        .select_related("task_revision")
+        .get(pk=ids["run_id"])
+    )
     attempt = Attempt.objects.select_for_update().get(pk=ids["attempt_id"])
+    locked_session = (
+        WorkerSession.objects.select_for_update(no_key=True).get(pk=ids["session_id"])
+        if session
+        else None
+    )
     lease = RunLease.objects.select_for_update().get(pk=lease_id)
-    return run, attempt, lease
+    return run, attempt, locked_session, lease
 
 
 class EndKind(enum.StrEnum):
@@ -246,7 +273,7 @@ def lease_end(
             chain = _lock_chain(lease_id)
             if chain is None:
                 return Outcome.UNCHANGED
-            run, attempt, lease = chain
+            run, attempt, _, lease = chain
             if lease.state != LeaseState.ACTIVE:
                 return Outcome.UNCHANGED
             if only_if_attempt_state is not None and (
@@ -384,11 +411,22 @@ def lease_ack(
     try:
         with transaction.atomic(durable=True):
             chain = _lock_chain(
-                RunLease.objects.filter(offer_id=offer_id).values_list("id", flat=True).get()
+                RunLease.objects.filter(offer_id=offer_id).values_list("id", flat=True).get(),
+                session=True,
             )
             assert chain is not None
-            run, attempt, lease = chain
+            run, attempt, locked_session, lease = chain
             _authorize(lease, session=session, lease_token=lease_token)
+            assert locked_session is not None
+            if (
+                locked_session.state not in SESSION_CURRENT_STATES
+                or locked_session.generation != lease.session_generation
+            ):
+                # Fenced between authentication and this lock: the replacement
+                # ends this lease, so nothing may start or finish under it.
+                raise LeaseConflict(
+                    "the session is no longer current", code=f"session_{locked_session.state}"
+                )
             if not tokens_equal(spec_sha256, lease.spec_digest):
                 raise LeaseConflict("spec_sha256 differs from the lease", code="spec_mismatch")
             target = _PHASE_TARGET[phase]
@@ -478,11 +516,21 @@ def _lease_ttl_s() -> int:
 
 def leases_renew_for_session(session: WorkerSession, *, now: datetime) -> int:
     """Renew the unexpired leases of this Session's starting/running Attempts."""
+    ids = list(
+        RunLease.objects.filter(
+            session=session,
+            state=LeaseState.ACTIVE,
+            expires_at__gt=now,
+            attempt__state__in=(AttemptState.STARTING, AttemptState.RUNNING),
+        ).values_list("id", flat=True)
+    )
+    if not ids:
+        return 0
+    # The compare-and-set lives in this UPDATE's own WHERE (not in a joined
+    # subquery), so PostgreSQL re-checks it on a row a revoke or expiry changed
+    # while we waited: an ended lease is never renewed.
     return RunLease.objects.filter(
-        session=session,
-        state=LeaseState.ACTIVE,
-        expires_at__gt=now,
-        attempt__state__in=(AttemptState.STARTING, AttemptState.RUNNING),
+        pk__in=ids, session=session, state=LeaseState.ACTIVE, expires_at__gt=now
     ).update(expires_at=now + timedelta(seconds=_lease_ttl_s()), version=F("version") + 1)
 
 

@@ -147,10 +147,16 @@ def session_open(
     unknown = set(types) - set(worker.executor_types)
     if unknown:
         raise WorkerInputError("executor_types", "not enrolled for this worker")
+    # Labels decide placement, and placement decides who sees a spec: a Worker
+    # may only advertise what the operator enrolled it with, never claim more.
+    if any(worker.labels.get(key) != value for key, value in label_map.items()):
+        raise WorkerInputError("labels", "not enrolled for this worker")
     token = _new_secret("qls")
     with transaction.atomic(durable=True):
         # Lock the Worker: generations are handed out one at a time.
-        locked = Worker.objects.select_for_update().get(pk=worker.pk)
+        # No-key lock: it serializes generations without blocking the foreign-key
+        # checks of lease inserts (a claim holding this Worker's Session row).
+        locked = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
         if locked.admin_state == WorkerAdminState.DISABLED:
             raise WorkerDisabled(locked.name)
         now = db_now()
@@ -175,7 +181,7 @@ def session_open(
             ),
             token_digest=token_digest(token),
             executor_types=types,
-            labels={**worker.labels, **label_map},
+            labels=dict(locked.labels),
             slots=min(slot_count, locked.slots),
             agent_version=str(agent_version)[:64],
             heartbeat_at=now,

@@ -406,3 +406,17 @@ def test_claim_reusing_a_pull_id_with_another_token_is_refused():
     assert _snapshot(second) == before
     again, _, _ = claim(second, session, pull_id=pull_id, token="a" * 43)
     assert again.status is ClaimStatus.WON
+
+
+def test_ack_from_a_session_fenced_after_authentication_is_refused(claimed):
+    session, _run, attempt, offer_id, token = claimed
+    # The replacement committed, its lease ending has not run yet: the ACK that
+    # authenticated just before must not start the Attempt (no double run).
+    from workers.models import WorkerSession
+
+    WorkerSession.objects.filter(pk=session.pk).update(state="replaced")
+    before = _snapshot(attempt)
+    with pytest.raises(LeaseConflict) as err:
+        _ack(session, offer_id, token, AckPhase.STARTING)
+    assert err.value.code == "session_replaced"
+    assert _snapshot(attempt) == before

@@ -1,0 +1,151 @@
+"""Lock scope on PostgreSQL: what each use case locks, and what it must not.
+
+Each test holds one use case at its critical point on a second real
+connection and checks the other neither deadlocks nor loses its work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection, transaction
+
+from dispatch import services as ds
+from dispatch.core.ports import ClaimStatus
+from dispatch.models import LeaseState, RunLease
+from dispatch.services import AckPhase, lease_ack
+from qinglong import testing
+from runs.models import Run
+from workers.services import session_heartbeat, session_open
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+
+def _thread(target, name: str) -> threading.Thread:
+    def run() -> None:
+        try:
+            target()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    return thread
+
+
+def test_claim_and_session_open_of_the_same_worker_do_not_deadlock(monkeypatch):
+    attempt = testing.pending_attempt(testing.make_run())
+    session = testing.open_session().session
+    worker = session.worker
+    request, _ = testing.claim_request(attempt, session)
+    paused, go = threading.Event(), threading.Event()
+    real_now = ds.db_now
+
+    def slow_now():
+        # The claim holds its Session lock here, just before the lease insert.
+        if threading.current_thread().name == "claimer":
+            paused.set()
+            go.wait(10)
+        return real_now()
+
+    monkeypatch.setattr(ds, "db_now", slow_now)
+    results: dict[str, object] = {}
+
+    def claimer() -> None:
+        try:
+            results["claim"] = ds.lease_claim(request).status
+        except Exception as err:
+            results["claim"] = err
+
+    def opener() -> None:
+        try:
+            results["open"] = session_open(
+                worker=worker, executor_types=["process"], labels={}, slots=1
+            ).session.generation
+        except Exception as err:
+            results["open"] = err
+
+    claim_thread = _thread(claimer, "claimer")
+    assert paused.wait(10)
+    open_thread = _thread(opener, "opener")
+    time.sleep(0.5)  # the open now waits on the claim's Session lock
+    go.set()
+    claim_thread.join(20)
+    open_thread.join(20)
+    assert results == {"claim": ClaimStatus.WON, "open": session.generation + 1}
+    # The open committed after the claim: the new lease was ended with the fence.
+    assert RunLease.objects.get(attempt=attempt).state == LeaseState.REVOKED
+
+
+def test_holding_one_runs_lock_chain_does_not_block_claims_of_its_siblings():
+    task = testing.make_task()
+    run_a, run_b = testing.make_run(task), testing.make_run(task)
+    session = testing.open_session().session
+    request, _ = testing.claim_request(testing.pending_attempt(run_b), session, skip_locked=True)
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with transaction.atomic():
+            # What an ACK or expiry of Run A holds (Run row, revision joined in).
+            Run.objects.select_for_update(of=("self",)).select_related("task_revision").get(
+                pk=run_a.pk
+            )
+            held.set()
+            release.wait(10)
+
+    hold_thread = _thread(holder, "holder")
+    assert held.wait(10)
+    out: dict[str, object] = {}
+    claim_thread = _thread(lambda: out.update(status=ds.lease_claim(request).status), "claimer")
+    claim_thread.join(10)
+    release.set()
+    hold_thread.join(10)
+    assert out["status"] is ClaimStatus.WON
+
+
+def _running_lease():
+    session = testing.open_session().session
+    attempt = testing.pending_attempt(testing.make_run())
+    _, offer_id, token = testing.claim(attempt, session)
+    lease = RunLease.objects.get(offer_id=offer_id)
+    for phase in (AckPhase.STARTING, AckPhase.RUNNING):
+        lease_ack(
+            session=session,
+            offer_id=offer_id,
+            phase=phase,
+            lease_token=token,
+            spec_sha256=lease.spec_digest,
+            executor_handle="pid:1",
+        )
+    return session, RunLease.objects.get(pk=lease.pk)
+
+
+def test_heartbeat_waiting_behind_a_revoke_never_renews_the_ended_lease():
+    session, lease = _running_lease()
+    held, release = threading.Event(), threading.Event()
+
+    def revoker() -> None:
+        with transaction.atomic():
+            locked = RunLease.objects.select_for_update().get(pk=lease.pk)
+            held.set()
+            release.wait(10)
+            RunLease.objects.filter(pk=locked.pk).update(
+                state=LeaseState.REVOKED, version=locked.version + 1, end_reason="test"
+            )
+
+    revoke_thread = _thread(revoker, "revoker")
+    assert held.wait(10)
+    out: dict[str, object] = {}
+    beat_thread = _thread(
+        lambda: out.update(renewed=session_heartbeat(session=session, draining=False).renewed),
+        "heartbeat",
+    )
+    time.sleep(0.5)  # the renewal now waits on the lease row
+    release.set()
+    revoke_thread.join(10)
+    beat_thread.join(10)
+    after = RunLease.objects.get(pk=lease.pk)
+    assert out["renewed"] == 0
+    assert (after.state, after.expires_at) == (LeaseState.REVOKED, lease.expires_at)
