@@ -33,7 +33,7 @@ def _states(run: Run) -> tuple[str, str]:
 
 def test_open_session_returns_a_token_once_and_fences_the_previous_one(client: Client) -> None:
     _worker, credential = make_worker(slots=3, labels={"zone": "a"})
-    body = {"executor_types": ["process"], "labels": {"zone": "b"}, "slots": 2}
+    body = {"executor_types": ["process"], "labels": {"zone": "a"}, "slots": 2}
     first = post_json(client, f"{WORKER_API}/sessions", body, bearer(credential))
     assert first.status_code == 201, first.content
     data = first.json()
@@ -51,7 +51,7 @@ def test_open_session_returns_a_token_once_and_fences_the_previous_one(client: C
     assert old.status_code == 401
     assert error_code(old) == "session_replaced"
     session = WorkerSession.objects.get(session_id=second.json()["session_id"])
-    assert session.labels == {"zone": "b"}
+    assert session.labels == {"zone": "a"}  # the enrolled labels
     assert session.slots == 2
 
 
