@@ -183,7 +183,8 @@ def seed_every_category() -> dict[str, int]:
         "awaiting_start": _lease_for(session),
         "running": _lease_for(session, ack=AckPhase.STARTING),
         "expired": _lease_for(session),
-        "cancelled": _lease_for(session, ack=AckPhase.STARTING),
+        "cancelled": _lease_for(session),
+        "cancelling": _lease_for(session, ack=AckPhase.STARTING),
         "spec_drift": _lease_for(session),
         "orphaned": _lease_for(session, ack=AckPhase.STARTING),
     }
@@ -193,7 +194,9 @@ def seed_every_category() -> dict[str, int]:
     RunLease.objects.filter(pk=leases["expired"].pk).update(
         expires_at=timezone.now() - timedelta(seconds=5)
     )
-    Run.objects.filter(pk=leases["cancelled"].run_id).update(cancel_requested=True)
+    # A cancel whose revoke never ran (claimed) vs. one waiting for the Worker.
+    for category in ("cancelled", "cancelling"):
+        Run.objects.filter(pk=leases[category].run_id).update(cancel_requested=True)
     RunLease.objects.filter(pk=leases["spec_drift"].pk).update(spec_digest="0" * 64)
     # A completion that never closed its lease (a crash between two writes).
     Attempt.objects.filter(pk=leases["orphaned"].attempt_id).update(state="failed")
@@ -231,6 +234,8 @@ def test_audit_expire_repairs_everything_then_a_second_run_has_nothing_to_fix():
     assert ended[seeded["spec_drift"]] == "spec_drift"
     assert RunLease.objects.get(pk=seeded["deliverable"]).state == LeaseState.ACTIVE
     assert RunLease.objects.get(pk=seeded["running"]).state == LeaseState.ACTIVE
+    # An in-progress cancel is healthy: the Worker is stopping it, not the audit.
+    assert RunLease.objects.get(pk=seeded["cancelling"]).state == LeaseState.ACTIVE
     # The expired claim went back to pending; the drifted one too.
     assert RunLease.objects.get(pk=seeded["expired"]).attempt.state == "pending"
     again_status, again = run_command("audit_leases")

@@ -29,7 +29,7 @@ from workers.models import SessionState
 
 # Healthy categories first, then problems in the order they are checked: the
 # first matching problem names the lease.
-HEALTHY: Final = ("deliverable", "awaiting_start", "running")
+HEALTHY: Final = ("deliverable", "awaiting_start", "running", "cancelling")
 PROBLEMS: Final = (
     "orphaned",
     "expired",
@@ -78,6 +78,11 @@ def classify(lease: RunLease, *, now: datetime) -> str:
     if session.state == SessionState.OFFLINE:
         return "session_offline"
     if run.cancel_requested:
+        # A started Attempt of a cancelled Run is the normal in-progress cancel:
+        # heartbeats and ACKs carry the verdict and the Worker's terminal ACK
+        # ends it. Only a lease that never started should have been revoked.
+        if attempt.state in (AttemptState.STARTING, AttemptState.RUNNING):
+            return "cancelling"
         return "cancelled"
     if _spec_drifted(lease):
         return "spec_drift"
@@ -136,9 +141,11 @@ def repair(finding: LeaseFinding) -> Outcome:
 class Command(BaseCommand):
     help = (
         "Audit every ACTIVE RunLease and classify it: deliverable, awaiting_start "
-        "(delivered, no starting ACK), running (healthy); orphaned (Attempt/Run "
+        "(delivered, no starting ACK), running, cancelling (started, its Run's "
+        "cancel waits for the Worker's terminal ACK) (healthy); orphaned (Attempt/Run "
         "state inconsistent with an active lease), expired (expires_at <= database "
-        "now), session_replaced, session_offline, cancelled (Run cancel requested), "
+        "now), session_replaced, session_offline, cancelled (Run cancelled, lease "
+        "never started), "
         "spec_drift (the pinned revision no longer hashes to the lease's digest) "
         "(problems). Prints counts per category and one row per lease (ids, "
         "generations, category; never a spec or token). Read-only unless --expire, "
