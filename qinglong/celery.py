@@ -44,6 +44,9 @@ app.conf.update(
     # One message at a time per worker process: a prefetched backlog of
     # 1-second cycles would run late and in bursts.
     worker_prefetch_multiplier=1,
+    # Keep Django's LOGGING (JSON + the one redaction filter) in the worker:
+    # Celery would otherwise replace the root handlers with its own.
+    worker_hijack_root_logger=False,
     # Bounded tasks: a cycle or sweep that hangs (a stuck DB socket) is killed.
     task_soft_time_limit=20,
     task_time_limit=30,

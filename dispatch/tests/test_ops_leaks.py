@@ -155,3 +155,10 @@ def test_command_output_carries_no_spec_or_token(canary_runs, debug_logs):
     digests = list(RunLease.objects.values_list("token_digest", flat=True))
     assert_clean("\n".join(outputs), *digests)
     assert_clean(rendered_logs(debug_logs), opened.token)
+
+
+def test_celery_keeps_the_redacting_log_handlers():
+    from qinglong.celery import app
+
+    # Celery would otherwise swap the root handlers (and their redaction filter).
+    assert app.conf.worker_hijack_root_logger is False
