@@ -1,13 +1,15 @@
 """Operator API views (DESIGN §4): Projects, Tasks, Runs; thin over runs.services.
 
-Auth: DRF Token (automation) or the admin's session; staff only. Worker
-credentials are Bearer secrets and are never accepted here.
+Auth: DRF Token (automation) or the admin's session; staff AND the model
+permissions each method declares (`runs.api.permissions`): a staff user without
+`runs.add_task` cannot define what a Worker runs. Worker credentials are Bearer
+secrets and are never accepted here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import IntegrityError
@@ -16,13 +18,13 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.exceptions import ErrorDetail, ValidationError
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from qinglong.api_common import ApiView, StrictSerializer, validated
 from qinglong.api_errors import ApiError, safe_field_name
 from qinglong.api_schema import error_responses, retry_after
+from runs.api.permissions import OperatorPermission, permissions_doc
 from runs.api.selectors import MAX_PAGE, project_json, project_page, run_detail, run_page
 from runs.api.serializers import (
     ProjectCreateRequestSerializer,
@@ -47,6 +49,14 @@ from runs.services import (
 )
 
 _CANCEL_RETRIES = 3
+
+VIEW_PROJECT = ("runs.view_project",)
+ADD_PROJECT = ("runs.add_project",)
+ADD_TASK = ("runs.add_task", "runs.add_taskrevision")
+CHANGE_TASK = ("runs.change_task", "runs.add_taskrevision")
+VIEW_RUN = ("runs.view_run",)
+ADD_RUN = ("runs.add_run",)
+CHANGE_RUN = ("runs.change_run",)
 
 
 def _not_found() -> ApiError:
@@ -107,7 +117,9 @@ def _task_json(task: Task) -> dict[str, Any]:
 
 class OperatorApiView(ApiView):
     authentication_classes = [TokenAuthentication, SessionAuthentication]
-    permission_classes = [IsAdminUser]
+    permission_classes = [OperatorPermission]
+    # Method → Django model permissions it needs (OperatorPermission).
+    required_permissions: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @staticmethod
     def actor(request: Request) -> str:
@@ -125,8 +137,11 @@ class ProjectListQuerySerializer(StrictSerializer):
 class ProjectsView(OperatorApiView):
     """Projects: namespaces that own Tasks (list keyset-paginated by slug)."""
 
+    required_permissions = {"GET": VIEW_PROJECT, "POST": ADD_PROJECT}
+
     @extend_schema(
         operation_id="projects_list",
+        description=permissions_doc(*VIEW_PROJECT),
         tags=["operator"],
         parameters=[ProjectListQuerySerializer, retry_after()],
         responses={200: ProjectPageSerializer, **error_responses()},
@@ -138,6 +153,7 @@ class ProjectsView(OperatorApiView):
 
     @extend_schema(
         operation_id="projects_create",
+        description=permissions_doc(*ADD_PROJECT),
         tags=["operator"],
         request=ProjectCreateRequestSerializer,
         responses={201: ProjectSerializer, **error_responses(409)},
@@ -166,11 +182,13 @@ class ProjectsView(OperatorApiView):
 class TasksView(OperatorApiView):
     """A Project's Tasks."""
 
+    required_permissions = {"POST": ADD_TASK}
+
     @extend_schema(
         operation_id="tasks_create",
         summary="Create a Task (revision 1)",
         description="The definition is validated by the one shared validator; an error "
-        "names the field (`invalid_definition`), never the value.",
+        "names the field (`invalid_definition`), never the value. " + permissions_doc(*ADD_TASK),
         tags=["operator"],
         request=TaskCreateRequestSerializer,
         responses={201: TaskSerializer, **error_responses(404, 409)},
@@ -198,10 +216,13 @@ class TasksView(OperatorApiView):
 class TaskView(OperatorApiView):
     """One Task; each edit is a new immutable revision."""
 
+    required_permissions = {"PUT": CHANGE_TASK}
+
     @extend_schema(
         operation_id="tasks_update",
         summary="Edit a Task: the body becomes a new immutable revision",
-        description="Runs already enqueued keep the revision they were pinned to.",
+        description="Runs already enqueued keep the revision they were pinned to. "
+        + permissions_doc(*CHANGE_TASK),
         tags=["operator"],
         request=TaskDefinitionRequestSerializer,
         responses={200: TaskSerializer, **error_responses(404)},
@@ -233,9 +254,12 @@ class RunListQuerySerializer(StrictSerializer):
 class RunsView(OperatorApiView):
     """Runs: enqueue one, or list them newest first."""
 
+    required_permissions = {"GET": VIEW_RUN, "POST": ADD_RUN}
+
     @extend_schema(
         operation_id="runs_list",
         summary="Runs, newest first (keyset-paginated)",
+        description=permissions_doc(*VIEW_RUN),
         tags=["operator"],
         parameters=[RunListQuerySerializer, retry_after()],
         responses={200: RunPageSerializer, **error_responses()},
@@ -253,6 +277,7 @@ class RunsView(OperatorApiView):
     @extend_schema(
         operation_id="runs_create",
         summary="Enqueue a Run pinned to the Task's current revision",
+        description=permissions_doc(*ADD_RUN),
         tags=["operator"],
         request=RunCreateRequestSerializer,
         responses={201: RunDetailSerializer, **error_responses(404)},
@@ -282,9 +307,12 @@ _RUN_ID = OpenApiParameter(
 class RunView(OperatorApiView):
     """One Run with its Attempts and redacted lease facts."""
 
+    required_permissions = {"GET": VIEW_RUN}
+
     @extend_schema(
         operation_id="runs_retrieve",
         summary="A Run with its Attempts and redacted lease facts (never the spec)",
+        description=permissions_doc(*VIEW_RUN),
         tags=["operator"],
         parameters=[_RUN_ID, retry_after()],
         responses={200: RunDetailSerializer, **error_responses(404)},
@@ -303,12 +331,14 @@ class EmptyRequestSerializer(StrictSerializer):
 class RunCancelView(OperatorApiView):
     """Cancel a Run (idempotent)."""
 
+    required_permissions = {"POST": CHANGE_RUN}
+
     @extend_schema(
         operation_id="runs_cancel",
         summary="Cancel a Run (idempotent)",
         description="Not yet started: cancelled at once. Started: `cancel_requested` rides "
         "on the Worker's heartbeat and ACK responses; its terminal ACK ends the Run "
-        "`cancelled`.",
+        "`cancelled`. " + permissions_doc(*CHANGE_RUN),
         tags=["operator"],
         request=EmptyRequestSerializer,
         parameters=[_RUN_ID, retry_after()],

@@ -17,6 +17,7 @@ from workers.tests.api_helpers import (
     API,
     WorkerClient,
     error_code,
+    grant,
     operator_headers,
     post_json,
     put_json,
@@ -56,6 +57,9 @@ def test_operator_endpoints_need_a_staff_token(client: Client) -> None:
     assert error_code(response) == "forbidden"
     staff = get_user_model().objects.create_user(username="admin-session", is_staff=True)
     client.force_login(staff)
+    # The admin's session works too, under the same model permissions.
+    assert client.get(f"{API}/projects").status_code == 403
+    grant(staff, "runs.view_project")
     assert client.get(f"{API}/projects").status_code == 200
 
 

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from django.test import Client
 from rest_framework.authtoken.models import Token
 
@@ -27,10 +28,39 @@ def bearer(secret: str) -> dict[str, Any]:
     return {"HTTP_AUTHORIZATION": f"Bearer {secret}"}
 
 
-def operator_headers(*, staff: bool = True, username: str | None = None) -> dict[str, Any]:
+# Every model permission the operator API checks (runs.api.views).
+OPERATOR_PERMISSIONS = (
+    "runs.view_project",
+    "runs.add_project",
+    "runs.add_task",
+    "runs.change_task",
+    "runs.add_taskrevision",
+    "runs.view_run",
+    "runs.add_run",
+    "runs.change_run",
+)
+
+
+def grant(user: Any, *perms: str) -> None:
+    for perm in perms:
+        app_label, codename = perm.split(".")
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app_label, codename=codename)
+        )
+
+
+def operator_headers(
+    *,
+    staff: bool = True,
+    username: str | None = None,
+    perms: tuple[str, ...] = OPERATOR_PERMISSIONS,
+    superuser: bool = False,
+) -> dict[str, Any]:
+    """A Token header of a new user: by default staff with every operator permission."""
     user = get_user_model().objects.create_user(
-        username=username or f"op-{uuid.uuid4().hex[:8]}", is_staff=staff
+        username=username or f"op-{uuid.uuid4().hex[:8]}", is_staff=staff, is_superuser=superuser
     )
+    grant(user, *perms)
     token = Token.objects.create(user=user)
     return {"HTTP_AUTHORIZATION": f"Token {token.key}"}
 
