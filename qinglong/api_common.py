@@ -3,7 +3,9 @@
 - `CappedJSONParser`: reads at most the view's byte cap, then parses strictly
   (no NaN/Infinity, no duplicate keys: two readers must never disagree on what
   a body says).
-- `ApiView`: checks Content-Length against the cap before anything else.
+- `ApiView`: refuses a body without Content-Length (411) and checks
+  Content-Length against the cap before anything else; every response is
+  `Cache-Control: no-store`.
 - `StrictSerializer` and strict fields: unknown fields are a 400 (DESIGN §4,
   "never silently applied"), and values are never coerced ("5" is not 5).
 """
@@ -21,7 +23,7 @@ from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from qinglong.api_errors import PayloadTooLarge
+from qinglong.api_errors import LengthRequired, PayloadTooLarge, no_store
 
 
 def operator_body_limit() -> int:
@@ -73,6 +75,10 @@ class ApiView(APIView):
     max_body_bytes: ClassVar[int | None] = None
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        # Django (WSGI) reads only CONTENT_LENGTH bytes: a chunked body would be
+        # parsed as empty and e.g. a heartbeat's `draining: true` silently lost.
+        if request.META.get("HTTP_TRANSFER_ENCODING"):
+            raise LengthRequired()
         limit = self.max_body_bytes or operator_body_limit()
         raw_length = request.META.get("CONTENT_LENGTH") or "0"
         try:
@@ -83,6 +89,11 @@ class ApiView(APIView):
         if length > limit:
             raise PayloadTooLarge()
         super().initial(request, *args, **kwargs)
+
+    def finalize_response(self, request: Request, response: Any, *args: Any, **kwargs: Any) -> Any:
+        # Successes and errors alike: offers, session tokens and run details are
+        # per-credential answers that no shared cache may keep.
+        return no_store(super().finalize_response(request, response, *args, **kwargs))
 
 
 def unknown_field_error(keys: set[str]) -> ValidationError:

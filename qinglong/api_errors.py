@@ -17,6 +17,7 @@ from typing import Any
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.utils.cache import patch_cache_control
 from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions, status
@@ -39,6 +40,21 @@ class ApiError(exceptions.APIException):
         self.message = message
 
 
+class LengthRequired(ApiError):
+    """A body sent without Content-Length (e.g. `Transfer-Encoding: chunked`).
+
+    Django reads such a body as empty, so without this a chunked heartbeat or
+    ACK would be served as `{}` instead of what the client sent.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            status_code=status.HTTP_411_LENGTH_REQUIRED,
+            code="length_required",
+            message="send the request body with a Content-Length header, not Transfer-Encoding",
+        )
+
+
 class PayloadTooLarge(ApiError):
     def __init__(self) -> None:
         super().__init__(
@@ -50,6 +66,19 @@ class PayloadTooLarge(ApiError):
 
 def envelope(code: str, message: str) -> dict[str, dict[str, str]]:
     return {"error": {"code": code, "message": message}}
+
+
+def no_store(response: HttpResponse) -> HttpResponse:
+    """`Cache-Control: no-store`: API answers (offers carry specs and lease
+    tokens, sessions their token) must never sit in a browser or proxy cache."""
+    patch_cache_control(response, no_store=True)
+    return response
+
+
+def _envelope_response(code: str, message: str, status_code: int) -> JsonResponse:
+    response = JsonResponse(envelope(code, message), status=status_code)
+    no_store(response)
+    return response
 
 
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]{0,63}")
@@ -169,6 +198,7 @@ def api_exception_handler(exc: Exception, context: Mapping[str, Any]) -> Respons
     except LookupError:
         return None
     response = Response(envelope(code, message), status=status_code)
+    no_store(response)
     for name, value in headers.items():
         response[name] = value
     if isinstance(exc, exceptions.APIException):
@@ -187,28 +217,28 @@ def _is_api(request: HttpRequest) -> bool:
 @csrf_exempt
 def api_not_found(request: HttpRequest, *args: object, **kwargs: object) -> JsonResponse:
     """Catch-all for unknown /api/ paths, so even DEBUG answers in the envelope."""
-    return JsonResponse(envelope("not_found", "not found"), status=404)
+    return _envelope_response("not_found", "not found", 404)
 
 
 def handler404(request: HttpRequest, exception: Exception) -> HttpResponse:
     if _is_api(request):
-        return JsonResponse(envelope("not_found", "not found"), status=404)
+        return _envelope_response("not_found", "not found", 404)
     return defaults.page_not_found(request, exception)
 
 
 def handler500(request: HttpRequest) -> HttpResponse:
     if _is_api(request):
-        return JsonResponse(envelope("internal_error", "internal server error"), status=500)
+        return _envelope_response("internal_error", "internal server error", 500)
     return defaults.server_error(request)
 
 
 def handler403(request: HttpRequest, exception: Exception) -> HttpResponse:
     if _is_api(request):
-        return JsonResponse(envelope("forbidden", "permission denied"), status=403)
+        return _envelope_response("forbidden", "permission denied", 403)
     return defaults.permission_denied(request, exception)
 
 
 def handler400(request: HttpRequest, exception: Exception) -> HttpResponse:
     if _is_api(request):
-        return JsonResponse(envelope("invalid_request", "bad request"), status=400)
+        return _envelope_response("invalid_request", "bad request", 400)
     return defaults.bad_request(request, exception)

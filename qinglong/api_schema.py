@@ -13,10 +13,12 @@ from qinglong.api_common import ErrorEnvelopeSerializer
 _DESCRIPTIONS = {
     400: "Invalid request (`invalid_request`, `unknown_field`, `malformed_json`, …).",
     401: "Missing or invalid credentials.",
-    403: "Authenticated but not allowed.",
+    403: "Authenticated but not allowed (`forbidden`; operator API: `permission_denied` "
+    "when a staff user lacks the model permission the operation lists).",
     404: "Not found.",
     405: "Method not allowed.",
     409: "Conflict with the current state.",
+    411: "A body without `Content-Length` (e.g. `Transfer-Encoding: chunked`): `length_required`.",
     413: "Request body too large (`payload_too_large`).",
     415: "Request body must be `application/json`.",
     429: "Throttled (`throttled`); see `Retry-After`.",
@@ -24,7 +26,7 @@ _DESCRIPTIONS = {
 }
 
 # Every operation can answer these (auth, body caps, content type, database).
-COMMON_ERRORS = (400, 401, 403, 405, 413, 415, 503)
+COMMON_ERRORS = (400, 401, 403, 405, 411, 413, 415, 503)
 
 
 def error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
@@ -103,6 +105,8 @@ PROTOCOL = """
    Any 409 means: stop the Attempt. `cancel_requested: true` means: stop and ACK the end.
 
 Errors are always `{"error": {"code", "message"}}`; 429 and 503 carry `Retry-After`.
+Bodies need `Content-Length` (chunked bodies are `411 length_required`). Every response is
+`Cache-Control: no-store`.
 """
 
 
