@@ -8,10 +8,12 @@ the views emit the exact dictionaries the services and offers produce.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from django.core.validators import RegexValidator
+from django.core.validators import ProhibitNullCharactersValidator, RegexValidator
 from rest_framework import serializers
+from rest_framework.validators import ProhibitSurrogateCharactersValidator
 
 from dispatch.core.result import CycleReason, CycleStatus
 from dispatch.services import AckPhase
@@ -174,6 +176,52 @@ class PullResponseSerializer(serializers.Serializer):
 
 # ---------------------------------------------------------------------- ack
 
+# NUL (PostgreSQL text cannot hold it) and lone surrogates (not encodable as
+# UTF-8: no database or JSON encoder takes them).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def clean_output_tail(text: str, limit: int = MAX_OUTPUT_TAIL_BYTES) -> str:
+    """Replace what cannot be stored with U+FFFD, then keep the last `limit` bytes.
+
+    A NUL is 1 byte and U+FFFD 3, so the cleaned text can outgrow the cap: it is
+    a tail, so the oldest characters go.
+    """
+    cleaned = _UNSTORABLE.sub("\ufffd", text)
+    if len(cleaned.encode("utf-8")) <= limit:
+        return cleaned
+    tail = cleaned.encode("utf-8")[-limit:]
+    # Cut at a character boundary: drop a leading partial sequence.
+    return tail.decode("utf-8", "ignore")
+
+
+class OutputTailField(StrictCharField):
+    """A process's output tail: any string up to 64 KiB of UTF-8, made storable.
+
+    Process output holds whatever the program wrote, NUL bytes included; refusing
+    it would 400 the terminal ACK and leave the Attempt `running` until its
+    lease expired. So unstorable characters are replaced, never refused; only a
+    tail over the documented 64 KiB cap is a 400.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # CharField always adds the NUL/surrogate validators; cleaning makes them moot.
+        self.validators = [
+            v
+            for v in self.validators
+            if not isinstance(
+                v, ProhibitNullCharactersValidator | ProhibitSurrogateCharactersValidator
+            )
+        ]
+
+    def to_internal_value(self, data: Any) -> str:
+        value = super().to_internal_value(data)
+        if len(value.encode("utf-8", "surrogatepass")) > MAX_OUTPUT_TAIL_BYTES:
+            self.fail("max_length", max_length=MAX_OUTPUT_TAIL_BYTES)
+        return clean_output_tail(value)
+
+
 _PHASES_WITH_EXIT_CODE = frozenset({AckPhase.SUCCEEDED, AckPhase.FAILED, AckPhase.START_FAILED})
 _TERMINAL_PHASES = _PHASES_WITH_EXIT_CODE
 
@@ -192,20 +240,16 @@ class AckRequestSerializer(StrictSerializer):
         help_text="Required for `succeeded` and `failed`.",
     )
     error_code = StrictCharField(max_length=64, required=False, allow_blank=True)
-    output_tail = StrictCharField(
+    output_tail = OutputTailField(
         max_length=MAX_OUTPUT_TAIL_BYTES,
         required=False,
         allow_blank=True,
         help_text=(
             "At most 64 KiB of UTF-8. The whole ACK body is capped at 80 KiB: send the "
-            "JSON as UTF-8 without \\u escapes (Python: ensure_ascii=False) or trim further."
+            "JSON as UTF-8 without \\u escapes (Python: ensure_ascii=False) or trim further. "
+            "NUL and lone surrogates are stored as U+FFFD (never a 400)."
         ),
     )
-
-    def validate_output_tail(self, value: str) -> str:
-        if len(value.encode("utf-8", "surrogatepass")) > MAX_OUTPUT_TAIL_BYTES:
-            raise serializers.ValidationError("too long", code="max_length")
-        return value
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         phase = AckPhase(attrs["phase"])

@@ -1,0 +1,132 @@
+"""An output tail can never make a terminal ACK fail.
+
+Process output is arbitrary bytes: a NUL (which PostgreSQL text refuses) or a
+lone surrogate used to turn the terminal ACK into a 400 and leave the Attempt
+`running` until its lease expired. The server now stores U+FFFD for them, on
+SQLite and PostgreSQL alike. The short machine strings (`error_code`,
+`executor_handle`) keep refusing them with a clear 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from qinglong.testing import make_run, make_worker
+from runs.models import Attempt, AttemptState
+from workers.api.serializers import MAX_OUTPUT_TAIL_BYTES, clean_output_tail
+from workers.tests.api_helpers import (
+    PHASE_EXTRA,
+    WORKER_API,
+    WorkerClient,
+    bearer,
+    error_code,
+    state_snapshot,
+)
+
+pytestmark = pytest.mark.django_db
+
+DIRTY = "before\x00middle\ud800after\udfffend\x00"
+CLEAN = "before\ufffdmiddle\ufffdafter\ufffdend\ufffd"
+
+
+@pytest.fixture
+def started(client: Client) -> tuple[WorkerClient, dict[str, Any], str]:
+    make_run()
+    worker, _ = make_worker(slots=1)
+    wc = WorkerClient.open(client, worker=worker)
+    response, _, token = wc.pull()
+    [offer] = response.json()["offers"]
+    assert wc.ack(offer, "starting", token).status_code == 200
+    return wc, offer, token
+
+
+def _stored_tail() -> str:
+    return Attempt.objects.get().output_tail
+
+
+@pytest.mark.parametrize(
+    ("phase", "state"),
+    [
+        ("succeeded", AttemptState.SUCCEEDED),
+        ("failed", AttemptState.FAILED),
+        ("start_failed", AttemptState.START_FAILED),
+    ],
+)
+def test_nul_and_lone_surrogates_in_a_terminal_tail_are_stored_as_replacement_characters(
+    started: Any, phase: str, state: str
+) -> None:
+    wc, offer, token = started
+    if phase != "start_failed":
+        assert wc.ack(offer, "running", token, **PHASE_EXTRA["running"]).status_code == 200
+    # json.dumps writes them as \u0000 / \ud800 escapes: valid JSON.
+    response = wc.ack(offer, phase, token, **PHASE_EXTRA[phase], output_tail=DIRTY)
+    assert response.status_code == 200, response.content
+    assert response.json()["attempt_state"] == state
+    stored = _stored_tail()
+    assert stored == CLEAN
+    assert "\x00" not in stored
+    stored.encode("utf-8")  # strict: no surrogate survived
+
+
+def test_a_cleaned_tail_that_outgrows_64_kib_keeps_its_newest_64_kib(started: Any) -> None:
+    wc, offer, token = started
+    assert wc.ack(offer, "running", token, **PHASE_EXTRA["running"]).status_code == 200
+    # 60,000 + 3,000 bytes as sent (under the cap); each NUL becomes 3 bytes of
+    # U+FFFD, so the cleaned text is 69,000 bytes: its oldest part goes.
+    tail = "é" * 30000 + "\x00" * 3000
+    path = f"{WORKER_API}/leases/{offer['offer_id']}/ack"
+    body = {
+        "phase": "failed",
+        "lease_token": token,
+        "spec_sha256": offer["spec_sha256"],
+        "exit_code": 1,
+        "output_tail": tail,
+    }
+    raw = json.dumps(body, ensure_ascii=False).encode("utf-8")
+    response = wc.client.post(path, data=raw, content_type="application/json", **bearer(wc.token))
+    assert response.status_code == 200, response.content
+    stored = _stored_tail()
+    assert len(stored.encode("utf-8")) <= MAX_OUTPUT_TAIL_BYTES
+    assert stored.endswith("\ufffd" * 3000)
+    assert stored.startswith("é")  # cut at a character boundary
+
+
+@pytest.mark.parametrize(
+    ("field", "phase", "value"),
+    [
+        ("error_code", "failed", "exit\x00nonzero"),
+        ("error_code", "failed", "exit\ud800"),
+        ("executor_handle", "running", "pid:\x001"),
+    ],
+)
+def test_short_machine_strings_still_refuse_nul_and_surrogates_clearly(
+    started: Any, field: str, phase: str, value: str
+) -> None:
+    wc, offer, token = started
+    before = state_snapshot()
+    extra = {**PHASE_EXTRA[phase], field: value}
+    response = wc.ack(offer, phase, token, **extra)
+    assert response.status_code == 400
+    assert error_code(response) == "invalid_request"
+    message = response.json()["error"]["message"]
+    assert field in message and "characters_not_allowed" in message
+    assert state_snapshot() == before
+
+
+def test_a_tail_over_64_kib_as_sent_is_still_a_400(started: Any) -> None:
+    wc, offer, token = started
+    response = wc.ack(offer, "failed", token, exit_code=1, output_tail="x" * 65537)
+    assert response.status_code == 400
+    assert "output_tail" in response.json()["error"]["message"]
+
+
+def test_clean_output_tail_keeps_valid_text_and_cuts_at_character_boundaries() -> None:
+    text = "ok 😀 雪\n\tü"
+    assert clean_output_tail(text) == text
+    assert clean_output_tail("\ud83d\ude00") == "\ufffd\ufffd"  # a pair split into lone halves
+    assert clean_output_tail("a雪雪", limit=4) == "雪"  # 7 bytes → last 4 → one whole 雪
+    assert clean_output_tail("\x00" * 10, limit=9) == "\ufffd" * 3
