@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     if not credential:
         log("credential_missing")
         return 2
+    try:
+        transport = HttpTransport(args.url)
+    except ValueError as err:
+        # e.g. http:// to a non-loopback host: the credential would travel in clear.
+        log("bad_url", error=str(err))
+        return 2
     agent = Agent(
-        transport=HttpTransport(args.url),
+        transport=transport,
         credential=credential,
         slots=args.slots,
         executor=args.executor,

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from workers.agent.protocol import clean_output_tail
+
 __all__ = ["LocalProcess", "ProcessSpawner"]
 
 # The child gets the spec's env over a minimal base, never the agent's whole
@@ -48,11 +50,10 @@ class LocalProcess:
         self._output.seek(max(0, size - limit))
         data = self._output.read(limit)
         self._output.close()
-        text = data.decode("utf-8", "replace")
-        # Re-trim: replacement characters can make the text longer in UTF-8.
-        while len(text.encode("utf-8")) > limit:
-            text = text[1:]
-        return text
+        # Invalid UTF-8 and NUL bytes become U+FFFD (the control plane stores
+        # text, and PostgreSQL text refuses NUL); the replacements can make the
+        # text longer in UTF-8, so it is re-trimmed to `limit` bytes.
+        return clean_output_tail(data.decode("utf-8", "replace"), limit)
 
 
 class ProcessSpawner:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,12 +25,27 @@ __all__ = [
     "Transport",
     "TransportError",
     "canonical_json",
+    "clean_output_tail",
     "spec_sha256",
     "verify_offer",
 ]
 
 # DESIGN §4: an ACK's output tail is at most 64 KiB.
 MAX_OUTPUT_TAIL_BYTES = 64 * 1024
+
+# NUL (a database text column refuses it) and lone surrogates (not UTF-8 at all).
+_UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def clean_output_tail(text: str, limit: int = MAX_OUTPUT_TAIL_BYTES) -> str:
+    """The tail as the control plane stores it: U+FFFD for NUL and lone
+    surrogates, at most `limit` bytes of UTF-8 (the oldest characters go)."""
+    cleaned = _UNSENDABLE.sub("\ufffd", text)
+    encoded = cleaned.encode("utf-8")
+    if len(encoded) <= limit:
+        return cleaned
+    # Cut at a character boundary: a leading partial sequence is dropped.
+    return encoded[-limit:].decode("utf-8", "ignore")
 
 
 class TransportError(Exception):
@@ -157,6 +173,24 @@ class AttemptRunner:
             self.cancel("cancelled")
         return response
 
+    def _ack_final(self, phase: str, **extra: Any) -> Response:
+        """A terminal ACK; its output tail must never be why it fails.
+
+        The tail is cleaned first; if the control plane still answers 400 (an
+        older server, a stricter proxy), the ACK goes once more without it: the
+        outcome matters, the tail is a courtesy. Without this the Attempt would
+        stay `running` until its lease expired.
+        """
+        if "output_tail" in extra:
+            extra["output_tail"] = clean_output_tail(str(extra["output_tail"]))
+        try:
+            return self._ack(phase, **extra)
+        except AckRejected as err:
+            if err.response.status != 400 or "output_tail" not in extra:
+                raise
+        del extra["output_tail"]
+        return self._ack(phase, **extra)
+
     def _ack_starting(self) -> None:
         candidates = [self.lease_token, *self.fallback_tokens]
         for index, token in enumerate(candidates):
@@ -196,7 +230,9 @@ class AttemptRunner:
             process = self.spawn(spec)
         except OSError as err:
             try:
-                self._ack("start_failed", error_code="spawn_failed", output_tail=type(err).__name__)
+                self._ack_final(
+                    "start_failed", error_code="spawn_failed", output_tail=type(err).__name__
+                )
                 outcome.acks.append("start_failed")
                 outcome.final_phase = "start_failed"
             except AckRejected:
@@ -228,7 +264,7 @@ class AttemptRunner:
         elif phase == "failed":
             extra["error_code"] = "exit_nonzero"
         try:
-            self._ack(phase, **extra)
+            self._ack_final(phase, **extra)
             outcome.acks.append(phase)
             outcome.final_phase = phase
         except AckRejected as err:
