@@ -21,6 +21,7 @@ from django.utils.functional import cached_property
 from dispatch.cycles import dispatch_paused, dispatch_set_paused
 from dispatch.models import DispatchControl, DispatchCycle, LeaseState, RunLease
 from dispatch.services import lease_revoke
+from qinglong.admin import DigestLookupGuard
 from runs.services import Outcome
 
 COUNT_CAP: Final = 10_000
@@ -41,7 +42,7 @@ class CappedPaginator(Paginator):
         return len(object_list)
 
 
-class ViewOnlyAdmin(admin.ModelAdmin):
+class ViewOnlyAdmin(DigestLookupGuard):
     show_full_result_count = False
     paginator = CappedPaginator
 
@@ -170,7 +171,7 @@ def _warn_if_paused(model_admin: admin.ModelAdmin, request: HttpRequest) -> None
 
 
 @admin.register(DispatchControl)
-class DispatchControlAdmin(admin.ModelAdmin):
+class DispatchControlAdmin(DigestLookupGuard):
     list_display = ("__str__", "paused", "reason", "updated_by", "updated_at")
     fields = ("paused", "reason", "updated_by", "updated_at")
     readonly_fields = ("updated_by", "updated_at")

@@ -14,6 +14,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from qinglong.admin import DigestLookupGuard
 from runs.models import (
     RUN_TERMINAL_STATES,
     Attempt,
@@ -43,7 +44,7 @@ class ReadOnlyInline(admin.TabularInline):
 
 
 @admin.register(Project)
-class ProjectAdmin(admin.ModelAdmin):
+class ProjectAdmin(DigestLookupGuard):
     list_display = ("slug", "name", "max_concurrent_runs", "created_at")
     search_fields = ("slug", "name")
 
@@ -60,7 +61,7 @@ def _actor(request: HttpRequest) -> str:
 
 
 @admin.register(Task)
-class TaskAdmin(admin.ModelAdmin):
+class TaskAdmin(DigestLookupGuard):
     list_display = ("name", "project", "current_revision", "updated_at")
     list_filter = ("project",)
     list_select_related = ("project", "current_revision")
@@ -108,7 +109,7 @@ class AttemptEventInline(ReadOnlyInline):
 
 
 @admin.register(Run)
-class RunAdmin(admin.ModelAdmin):
+class RunAdmin(DigestLookupGuard):
     list_display = (
         "id",
         "project",
@@ -170,7 +171,7 @@ class RunAdmin(admin.ModelAdmin):
 
 
 @admin.register(Attempt)
-class AttemptAdmin(admin.ModelAdmin):
+class AttemptAdmin(DigestLookupGuard):
     list_display = ("id", "run", "number", "state", "lease_generation", "exit_code", "finished_at")
     list_filter = ("state",)
     list_select_related = ("run",)

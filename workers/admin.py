@@ -14,6 +14,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from qinglong.admin import DigestLookupGuard
 from workers.models import Worker, WorkerAdminState, WorkerSession
 from workers.services import worker_rotate_credential, worker_set_admin_state
 
@@ -54,7 +55,7 @@ class WorkerSessionInline(admin.TabularInline):
 
 
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):
+class WorkerAdmin(DigestLookupGuard):
     list_display = (
         "name",
         "admin_state",
@@ -127,7 +128,7 @@ class WorkerAdmin(admin.ModelAdmin):
 
 
 @admin.register(WorkerSession)
-class WorkerSessionAdmin(admin.ModelAdmin):
+class WorkerSessionAdmin(DigestLookupGuard):
     list_display = ("worker", "generation", "state", "slots", "heartbeat_at", "ended_at")
     list_filter = ("state",)
     list_select_related = ("worker",)

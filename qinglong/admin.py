@@ -1,0 +1,47 @@
+"""Admin-wide hardening, loaded by the admin's autodiscovery (qinglong is an app).
+
+- DRF's TokenProxy admin lists every operator's API key in plaintext (DRF
+  stores keys unhashed): it is unregistered, so no admin page ever shows one.
+  Tokens are issued with `manage.py drf_create_token USER`.
+- `DigestLookupGuard`: the changelist accepts `?field__lookup=` filters on any
+  local field, so `?token_digest__startswith=ab` would let a staff user recover
+  a full digest one prefix at a time. Any lookup that touches a digest field,
+  directly or across a relation, is refused (Django answers 400).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from django.contrib import admin
+from django.db.models.constants import LOOKUP_SEP
+from django.http import HttpRequest
+from rest_framework.authtoken.models import TokenProxy
+
+# What authenticates a Worker or a lease, or fingerprints a spec: never a filter.
+DIGEST_FIELDS: Final = frozenset({"token_digest", "credential_digest", "spec_digest"})
+
+
+def touches_digest(lookup: str) -> bool:
+    return any(part in DIGEST_FIELDS for part in lookup.split(LOOKUP_SEP))
+
+
+class DigestLookupGuard(admin.ModelAdmin):
+    """A ModelAdmin whose changelist refuses every lookup on a digest field."""
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
+        if touches_digest(lookup):
+            return False
+        return bool(super().lookup_allowed(lookup, value, request))
+
+    def get_search_fields(self, request: HttpRequest) -> Any:
+        fields = tuple(super().get_search_fields(request))
+        # `?q=` matching is a prefix oracle too: drop a digest search field even
+        # if one is ever added by mistake.
+        return tuple(field for field in fields if not touches_digest(field.lstrip("^=@")))
+
+
+# `rest_framework.authtoken` comes before `qinglong` in INSTALLED_APPS, so its
+# admin module is already imported (and TokenProxy registered) by now.
+if admin.site.is_registered(TokenProxy):
+    admin.site.unregister(TokenProxy)
