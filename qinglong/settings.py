@@ -58,7 +58,13 @@ if not SECRET_KEY:
         raise ImproperlyConfigured("SECRET_KEY must be set when QL_PRODUCTION is on.")
     SECRET_KEY = _local_secret_key(BASE_DIR / "var" / "secret_key")
 
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
+# Production names its hosts: no loopback/testserver default that a Host header
+# could match on a public deployment.
+ALLOWED_HOSTS = env_list(
+    "ALLOWED_HOSTS", [] if PRODUCTION else ["127.0.0.1", "localhost", "testserver"]
+)
+if PRODUCTION and not ALLOWED_HOSTS:
+    raise ImproperlyConfigured("ALLOWED_HOSTS must be set when QL_PRODUCTION is on.")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
@@ -147,7 +153,10 @@ CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", PRODUCTION)
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000 if PRODUCTION else 0, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", PRODUCTION)
 SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Trust X-Forwarded-Proto only behind a proxy that sets it (and drops a
+# client's): otherwise any client could claim HTTPS.
+if env_bool("QL_TRUST_X_FORWARDED_PROTO", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 SILENCED_SYSTEM_CHECKS = env_list("SILENCED_SYSTEM_CHECKS", [])
@@ -189,6 +198,11 @@ QINGLONG_LEASE_SECRET = env_str(
 )
 QINGLONG_HEARTBEAT_INTERVAL_S = env_int("QL_HEARTBEAT_INTERVAL_S", 10, minimum=1)
 QINGLONG_SESSION_TIMEOUT_S = env_int("QL_SESSION_TIMEOUT_S", 30, minimum=2)
+# Long-poll pulls (cluster): a pull with ?wait_s=N waits up to this long for a
+# global cycle's offer announcement on Redis. 0 turns waiting off (the
+# embedded default has no Redis: Workers poll).
+QINGLONG_PULL_WAIT_MAX_S = env_int("QL_PULL_WAIT_MAX_S", 0, minimum=0)
+QINGLONG_NOTIFY_REDIS_URL = env_str("QL_NOTIFY_REDIS_URL", "")
 QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, minimum=60)
 
 # --- Django REST framework / OpenAPI ----------------------------------------

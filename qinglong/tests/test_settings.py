@@ -78,7 +78,13 @@ def test_bad_environment_value_stops_startup_naming_it():
 def test_check_deploy_is_clean_with_production_settings():
     key = "k3y-" + "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOP"
     result = _manage(
-        "check", "--deploy", "--fail-level", "WARNING", QL_PRODUCTION="1", SECRET_KEY=key
+        "check",
+        "--deploy",
+        "--fail-level",
+        "WARNING",
+        QL_PRODUCTION="1",
+        SECRET_KEY=key,
+        ALLOWED_HOSTS="example.org",
     )
     assert result.returncode == 0, result.stderr
     assert "no issues" in result.stdout
