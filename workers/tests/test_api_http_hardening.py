@@ -36,7 +36,7 @@ pytestmark = pytest.mark.django_db
 
 # What a WSGI server hands Django for a chunked request: the header, and no
 # usable CONTENT_LENGTH (Django then reads zero bytes).
-CHUNKED = {"HTTP_TRANSFER_ENCODING": "chunked", "CONTENT_LENGTH": ""}
+CHUNKED: dict[str, Any] = {"HTTP_TRANSFER_ENCODING": "chunked", "CONTENT_LENGTH": ""}
 
 
 def _chunked(client: Client, method: str, path: str, body: Any, headers: dict[str, Any]) -> Any:
