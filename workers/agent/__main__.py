@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--executor", choices=("process",), default="process")
     parser.add_argument("--workdir", type=Path, default=Path.cwd(), help="Base of relative cwds.")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="Seconds between pulls.")
+    parser.add_argument(
+        "--long-poll",
+        type=int,
+        default=0,
+        help="Seconds a pull may wait for an offer (cluster with QL_PULL_WAIT_MAX_S; default 0).",
+    )
     parser.add_argument("--once", action="store_true", help="One pull; run its offers; exit.")
     args = parser.parse_args(argv)
     if args.slots < 1:
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         executor=args.executor,
         spawn=ProcessSpawner(args.workdir),
         poll_interval_s=args.poll_interval,
+        long_poll_s=max(0, args.long_poll),
     )
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -47,6 +47,7 @@ class Agent:
         executor: str,
         spawn: Spawner,
         poll_interval_s: float = 1.0,
+        long_poll_s: int = 0,
         sleep: Callable[[float], None] | None = None,
     ) -> None:
         self.transport = transport
@@ -55,6 +56,7 @@ class Agent:
         self.executor = executor
         self.spawn = spawn
         self.poll_interval_s = poll_interval_s
+        self.long_poll_s = long_poll_s
         self.stopping = threading.Event()
         self._sleep = sleep or self.stopping.wait
         self.session_token = ""
@@ -135,12 +137,18 @@ class Agent:
             "max_offers": min(free, MAX_OFFERS_PER_PULL),
         }
         self._recent_tokens.append(pull_token)
+        path = "/api/v1/worker/pull"
+        # A long poll (cluster) never outlasts half a heartbeat interval: the
+        # same loop keeps the Session alive.
+        wait_s = min(self.long_poll_s, int(self.heartbeat_interval_s // 2))
+        if wait_s > 0:
+            path += f"?wait_s={wait_s}"
         try:
-            response = self._session_call("/api/v1/worker/pull", body)
+            response = self._session_call(path, body)
         except TransportError:
             # The response may be lost after the claim committed: replaying the
             # same pull_id + token rebuilds the same answer (ADR-0108).
-            response = self._session_call("/api/v1/worker/pull", body)
+            response = self._session_call(path, body)
         if response.status != 200:
             log("pull_refused", status=response.status, code=response.error_code)
             return 0

@@ -11,11 +11,14 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from django.conf import settings
+
 from dispatch.core.offer import ClaimedExecutionOffer, token_digest, tokens_equal
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
-from dispatch.core.result import CycleReason, CycleStatus
+from dispatch.core.result import CycleReason, CycleStatus, DispatchCycleResult
 from dispatch.cycles import dispatch_cycle
 from dispatch.models import LeaseState, RunLease
+from dispatch.notify import offer_subscription
 from runs.models import AttemptState
 from workers.models import WorkerSession
 
@@ -62,8 +65,21 @@ def session_free_slots(session: WorkerSession) -> int:
 
 
 def worker_pull(
-    *, session: WorkerSession, pull_id: uuid.UUID, lease_token: str, max_offers: int
+    *,
+    session: WorkerSession,
+    pull_id: uuid.UUID,
+    lease_token: str,
+    max_offers: int,
+    wait_s: int = 0,
 ) -> PullResult:
+    """One session-scope cycle; with `wait_s`, a long poll (cluster, DESIGN §3).
+
+    A long poll subscribes to the Session's offer channel before its first
+    cycle (so no announcement falls between the two), and when that cycle
+    finds nothing waits up to min(wait_s, QL_PULL_WAIT_MAX_S) for the global
+    cycle to announce an offer, then runs one more cycle, which re-materializes
+    it. Without Redis, or with waiting off, it is a plain pull.
+    """
     if _pull_id_conflicts(session, pull_id=pull_id, lease_token=lease_token):
         raise PullIdConflict
     cap = min(max_offers, session_free_slots(session))
@@ -74,18 +90,29 @@ def worker_pull(
             reason=str(CycleReason.NO_FREE_SLOTS),
             truncated=False,
         )
-    result = dispatch_cycle(
-        scope=DispatchScope.for_session(
-            SessionRef(
-                worker_id=str(session.worker_id),
-                session_id=str(session.session_id),
-                session_generation=session.generation,
-            )
-        ),
-        pull=PullCredential(pull_id=str(pull_id), token=lease_token),
-        max_offers=cap,
-        session_pk=session.pk,
-    )
+
+    def cycle() -> DispatchCycleResult:
+        return dispatch_cycle(
+            scope=DispatchScope.for_session(
+                SessionRef(
+                    worker_id=str(session.worker_id),
+                    session_id=str(session.session_id),
+                    session_generation=session.generation,
+                )
+            ),
+            pull=PullCredential(pull_id=str(pull_id), token=lease_token),
+            max_offers=cap,
+            session_pk=session.pk,
+        )
+
+    wait = min(max(0, wait_s), int(settings.QINGLONG_PULL_WAIT_MAX_S))
+    if wait <= 0:
+        result = cycle()
+    else:
+        with offer_subscription(str(session.session_id)) as subscription:
+            result = cycle()
+            if not result.offers and subscription is not None and subscription.wait(wait):
+                result = cycle()
     return PullResult(
         offers=result.offers,
         status=str(result.status),

@@ -156,6 +156,20 @@ class HeartbeatView(WorkerApiView):
         )
 
 
+MAX_PULL_WAIT_S = 60
+
+
+def _wait_s(request: Request) -> int:
+    raw = request.query_params.get("wait_s", "0")
+    if not raw.isdigit() or int(raw) > MAX_PULL_WAIT_S:
+        raise ApiError(
+            status_code=400,
+            code="invalid_request",
+            message=f"wait_s: must be an integer from 0 to {MAX_PULL_WAIT_S}",
+        )
+    return int(raw)
+
+
 class PullView(WorkerApiView):
     """Pull this Session's offers."""
 
@@ -174,7 +188,20 @@ class PullView(WorkerApiView):
         tags=_TAG,
         request=PullRequestSerializer,
         responses={200: PullResponseSerializer, **error_responses(409, 429)},
-        parameters=[retry_after(429)],
+        parameters=[
+            OpenApiParameter(
+                "wait_s",
+                int,
+                location=OpenApiParameter.QUERY,
+                required=False,
+                description=(
+                    "Long poll: when nothing is deliverable, wait up to this many seconds "
+                    f"(0-{MAX_PULL_WAIT_S}, capped by the server's QL_PULL_WAIT_MAX_S; "
+                    "0 there means the server never waits) for an offer to be announced."
+                ),
+            ),
+            retry_after(429),
+        ],
     )
     def post(self, request: Request) -> Response:
         body = validated(PullRequestSerializer, request.data)
@@ -184,6 +211,7 @@ class PullView(WorkerApiView):
                 pull_id=body["pull_id"],
                 lease_token=body["lease_token"],
                 max_offers=body.get("max_offers", 1),
+                wait_s=_wait_s(request),
             )
         except PullIdConflict:
             raise ApiError(

@@ -263,3 +263,22 @@ def test_pull_asks_for_at_most_sixteen_offers_however_many_slots():
     agent.pull()
     (call,) = [c for c in transport.calls if c["path"].endswith("/pull")]
     assert call["max_offers"] == MAX_OFFERS_PER_PULL == 16
+
+
+def test_long_poll_asks_the_server_to_wait_at_most_half_a_heartbeat():
+    from workers.agent.agent import Agent
+
+    transport = FakeTransport(answers={"None": Response(200, {"offers": []})})
+    agent = Agent(
+        transport=transport,
+        credential="c" * 43,
+        slots=1,
+        executor="process",
+        spawn=FakeSpawner(FakeProcess(), []),
+        long_poll_s=30,
+    )
+    agent.session_token = "s" * 43
+    agent.heartbeat_interval_s = 10.0
+    agent.pull()
+    (call,) = transport.calls
+    assert call["path"] == "/api/v1/worker/pull?wait_s=5"
