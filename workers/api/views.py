@@ -17,8 +17,8 @@ from rest_framework.response import Response
 import workers.api.schema  # noqa: F401  (registers the OpenAPI security schemes)
 from dispatch.core.ports import to_rfc3339
 from dispatch.services import AckPhase, LeaseError, lease_ack
-from qinglong.api_common import ApiView, validated
-from qinglong.api_errors import ApiError
+from qinglong.api_common import ApiView, unknown_field_error, validated
+from qinglong.api_errors import ApiError, safe_field_name
 from qinglong.api_schema import error_responses, retry_after
 from workers.api.authentication import (
     HasWorkerSession,
@@ -160,7 +160,17 @@ MAX_PULL_WAIT_S = 60
 
 
 def _wait_s(request: Request) -> int:
-    raw = request.query_params.get("wait_s", "0")
+    params = request.query_params
+    # DESIGN §4: unknown request fields are a 400, never silently ignored; the
+    # same goes for a query string (and a repeated wait_s is ambiguous).
+    unknown = {key for key in params if key != "wait_s"}
+    if unknown:
+        raise unknown_field_error({safe_field_name(key) for key in unknown})
+    if len(params.getlist("wait_s")) > 1:
+        raise ApiError(
+            status_code=400, code="invalid_request", message="wait_s: given more than once"
+        )
+    raw = params.get("wait_s", "0")
     if not raw.isdigit() or int(raw) > MAX_PULL_WAIT_S:
         raise ApiError(
             status_code=400,
