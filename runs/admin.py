@@ -64,7 +64,7 @@ def _actor(request: HttpRequest) -> str:
 class TaskAdmin(DigestLookupGuard):
     list_display = ("name", "project", "current_revision", "updated_at")
     list_filter = ("project",)
-    list_select_related = ("project", "current_revision")
+    list_select_related = ("project", "current_revision__task")
     search_fields = ("name", "project__slug")
     # Revisions are immutable and made by the task services (API/commands); the
     # admin shows them and enqueues Runs, it never edits a definition in place.
@@ -122,7 +122,7 @@ class RunAdmin(DigestLookupGuard):
         "finished_at",
     )
     list_filter = ("state", "project", "cancel_requested")
-    list_select_related = ("project", "task", "task_revision")
+    list_select_related = ("project", "task__project", "task_revision__task")
     search_fields = ("id", "task__name", "project__slug")
     readonly_fields = (
         "project",

@@ -53,7 +53,8 @@ class Task(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.project_id}/{self.name}"
+        # Admin lists select_related the project so this costs no query per row.
+        return f"{self.project.slug}/{self.name}"
 
 
 class ImmutableRevision(Exception):
@@ -95,7 +96,7 @@ class TaskRevision(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.task_id}@{self.revision}"
+        return f"{self.task.name} r{self.revision}"
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         # Immutability guard, not a transition: a Run pinned to this revision

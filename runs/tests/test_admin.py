@@ -209,3 +209,43 @@ def test_state_fields_are_read_only_on_run_change(admin_client):
     run = make_run()
     admin_client.post(reverse("admin:runs_run_change", args=[run.pk]), {"state": "succeeded"})
     assert Run.objects.get(pk=run.pk).state == "queued"
+
+
+@pytest.mark.parametrize(
+    "url_name",
+    [
+        "admin:runs_run_changelist",
+        "admin:runs_task_changelist",
+        "admin:dispatch_runlease_changelist",
+        "admin:runs_attempt_changelist",
+    ],
+)
+def test_changelists_cost_the_same_queries_for_3_rows_as_for_12(admin_client, url_name):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    session = open_session(make_worker(slots=64)[0]).session
+
+    def add_rows(n: int) -> None:
+        for _ in range(n):
+            claim(pending_attempt(make_run()), session)
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            response = admin_client.get(reverse(url_name))
+        assert response.status_code == 200
+        return len(captured.captured_queries)
+
+    add_rows(3)
+    few = queries()
+    add_rows(9)
+    assert queries() == few  # no query per row (list_select_related covers __str__)
+
+
+def test_run_changelist_names_tasks_and_revisions_readably(admin_client):
+    project = make_project(slug="billing")
+    task = task_create(project=project, name="nightly", definition=canary_definition())
+    make_run(task)
+    page = admin_client.get(reverse("admin:runs_run_changelist")).content.decode()
+    assert "billing/nightly" in page
+    assert "nightly r1" in page
