@@ -21,7 +21,7 @@ from django.utils.functional import cached_property
 from dispatch.cycles import dispatch_paused, dispatch_set_paused
 from dispatch.models import DispatchControl, DispatchCycle, LeaseState, RunLease
 from dispatch.services import lease_revoke
-from qinglong.admin import DigestLookupGuard
+from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin
 from runs.services import Outcome
 
 COUNT_CAP: Final = 10_000
@@ -42,18 +42,9 @@ class CappedPaginator(Paginator):
         return len(object_list)
 
 
-class ViewOnlyAdmin(DigestLookupGuard):
+class ViewOnlyAdmin(ReadOnlyAdmin):
     show_full_result_count = False
     paginator = CappedPaginator
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 @admin.register(RunLease)

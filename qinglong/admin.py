@@ -41,6 +41,19 @@ class DigestLookupGuard(admin.ModelAdmin):
         return tuple(field for field in fields if not touches_digest(field.lstrip("^=@")))
 
 
+class ReadOnlyAdmin(DigestLookupGuard):
+    """A view-only console page: state changes only through services (STYLE.md)."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
 # `rest_framework.authtoken` comes before `qinglong` in INSTALLED_APPS, so its
 # admin module is already imported (and TokenProxy registered) by now.
 if admin.site.is_registered(TokenProxy):

@@ -14,7 +14,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from qinglong.admin import DigestLookupGuard
+from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin
 from workers.models import Worker, WorkerAdminState, WorkerSession
 from workers.services import worker_rotate_credential, worker_set_admin_state
 
@@ -128,7 +128,9 @@ class WorkerAdmin(DigestLookupGuard):
 
 
 @admin.register(WorkerSession)
-class WorkerSessionAdmin(DigestLookupGuard):
+class WorkerSessionAdmin(ReadOnlyAdmin):
+    """View only: a Session's state changes through the worker services."""
+
     list_display = ("worker", "generation", "state", "slots", "heartbeat_at", "ended_at")
     list_filter = ("state",)
     list_select_related = ("worker",)
@@ -137,13 +139,3 @@ class WorkerSessionAdmin(DigestLookupGuard):
     fields = ("worker", *_SESSION_FIELDS)
     readonly_fields = fields
     show_full_result_count = False
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # View only: a Session's state changes through the worker services.
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
