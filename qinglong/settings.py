@@ -11,12 +11,14 @@ import hashlib
 import os
 import re
 import secrets
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from dispatch.core.budget import DispatchBudget
 from qinglong.env import env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -174,18 +176,8 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 256 * 1024,
 SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
 
 # --- dispatch (DESIGN §3); validated by the qinglong.checks system check -----
-_DISPATCH_DEFAULTS: dict[str, int] = {
-    "recovery_page_size": 8,
-    "recovery_max_pages": 2,
-    "candidate_page_size": 8,
-    "candidate_max_pages": 2,
-    "worker_page_size": 8,
-    "worker_max_pages": 2,
-    "max_claim_attempts": 8,
-    "lease_ttl_s": 60,
-    "redelivery_backoff_s": 5,
-    "max_deliveries": 5,
-}
+# The defaults live in one place, the core's DispatchBudget (plain Python).
+_DISPATCH_DEFAULTS: dict[str, int] = asdict(DispatchBudget())
 QINGLONG_DISPATCH: dict[str, int] = {
     key: env_int(f"QL_DISPATCH_{key.upper()}", default)
     for key, default in _DISPATCH_DEFAULTS.items()

@@ -11,6 +11,7 @@ import logging
 import secrets
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from django.forms.models import model_to_dict
 from django.test.utils import CaptureQueriesContext, override_settings
 
 from dispatch.adapters.orm import OrmLeaseRecoverySource
+from dispatch.core.budget import DispatchBudget
 from dispatch.core.offer import ClaimedExecutionOffer, OfferSource
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleReason, CycleStatus
@@ -34,18 +36,7 @@ from workers.services import session_open
 pytestmark = pytest.mark.django_db
 
 GLOBAL = DispatchScope.global_()
-DEFAULTS = {
-    "recovery_page_size": 8,
-    "recovery_max_pages": 2,
-    "candidate_page_size": 8,
-    "candidate_max_pages": 2,
-    "worker_page_size": 8,
-    "worker_max_pages": 2,
-    "max_claim_attempts": 8,
-    "lease_ttl_s": 60,
-    "redelivery_backoff_s": 5,
-    "max_deliveries": 5,
-}
+DEFAULTS = asdict(DispatchBudget())
 
 
 def budget(**overrides: int) -> Any:
