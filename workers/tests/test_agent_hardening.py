@@ -139,7 +139,7 @@ def test_clean_output_tail_matches_the_servers_rule() -> None:
     ],
 )
 def test_https_anywhere_and_plain_http_on_loopback_are_accepted(url: str) -> None:
-    HttpTransport(url)
+    assert HttpTransport(url).base_url == url.rstrip("/")
 
 
 @pytest.mark.parametrize(
