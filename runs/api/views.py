@@ -8,7 +8,8 @@ secrets and are never accepted here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -81,6 +82,22 @@ def _model_error(err: DjangoValidationError) -> ApiError:
     return ApiError(
         status_code=400, code="invalid_request", message="invalid: " + ", ".join(fields)
     )
+
+
+@contextmanager
+def _service_errors() -> Iterator[None]:
+    """The one translation of operator use-case errors into the error envelope."""
+    try:
+        yield
+    except DefinitionError as err:
+        raise _definition_error(err.field, err.message) from None
+    except DjangoValidationError as err:
+        raise _model_error(err) from None
+    except IntegrityError:
+        # A concurrent create of the same slug/name won the unique index.
+        raise ApiError(
+            status_code=409, code="already_exists", message="it already exists"
+        ) from None
 
 
 def _object_body(data: Any) -> dict[str, Any]:
@@ -161,18 +178,12 @@ class ProjectsView(OperatorApiView):
     )
     def post(self, request: Request) -> Response:
         body = validated(ProjectCreateRequestSerializer, request.data)
-        try:
+        with _service_errors():
             project = project_create(
                 slug=body["slug"],
                 name=body["name"],
                 max_concurrent_runs=body.get("max_concurrent_runs", 0),
             )
-        except DjangoValidationError as err:
-            raise _model_error(err) from None
-        except IntegrityError:
-            raise ApiError(
-                status_code=409, code="already_exists", message="it already exists"
-            ) from None
         return Response(project_json(project), status=status.HTTP_201_CREATED)
 
 
@@ -200,16 +211,8 @@ class TasksView(OperatorApiView):
         name = definition.pop("name", None)
         if not isinstance(name, str):
             raise _definition_error("name", "is required and must be a string")
-        try:
+        with _service_errors():
             task = task_create(project=project, name=name, definition=definition)
-        except DefinitionError as err:
-            raise _definition_error(err.field, err.message) from None
-        except DjangoValidationError as err:
-            raise _model_error(err) from None
-        except IntegrityError:
-            raise ApiError(
-                status_code=409, code="already_exists", message="it already exists"
-            ) from None
         return Response(_task_json(task), status=status.HTTP_201_CREATED)
 
 
@@ -233,10 +236,8 @@ class TaskView(OperatorApiView):
         if task is None:
             raise _not_found()
         definition = _object_body(request.data)
-        try:
+        with _service_errors():
             task_update(task=task, definition=definition)
-        except DefinitionError as err:
-            raise _definition_error(err.field, err.message) from None
         return Response(_task_json(task))
 
 
@@ -292,10 +293,8 @@ class RunsView(OperatorApiView):
         )
         if task is None:
             raise _not_found()
-        try:
+        with _service_errors():
             run = run_enqueue(task=task, priority=body.get("priority", 0))
-        except DefinitionError as err:
-            raise _definition_error(err.field, err.message) from None
         return Response(run_detail(run.pk), status=status.HTTP_201_CREATED)
 
 
