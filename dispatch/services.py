@@ -405,15 +405,14 @@ def lease_ack(
     output_tail: str = "",
 ) -> AckResult:
     """Apply one Worker ACK as a compare-and-set; a repeat of the same phase is a no-op."""
-    _authorize(
+    # Checked before any lock (a stranger's call touches no row), and again
+    # under the locks below.
+    seen = _authorize(
         RunLease.objects.filter(offer_id=offer_id).first(), session=session, lease_token=lease_token
     )
     try:
         with transaction.atomic(durable=True):
-            chain = _lock_chain(
-                RunLease.objects.filter(offer_id=offer_id).values_list("id", flat=True).get(),
-                session=True,
-            )
+            chain = _lock_chain(seen.pk, session=True)
             assert chain is not None
             run, attempt, locked_session, lease = chain
             _authorize(lease, session=session, lease_token=lease_token)
