@@ -46,6 +46,8 @@ class RunLease(models.Model):
 
     class Meta:
         ordering = ["-id"]
+        # Leases change only through services: the one operator write is revoking.
+        permissions = [("revoke_lease", "Can revoke an active lease")]
         constraints = [
             # At most one active lease per Attempt.
             models.UniqueConstraint(
@@ -112,6 +114,9 @@ class DispatchControl(models.Model):
 
     class Meta:
         verbose_name = "dispatch control"
+        # The kill switch is its own permission: `change_dispatchcontrol` alone
+        # flips nothing (README "Admin permissions").
+        permissions = [("pause_dispatch", "Can pause and resume dispatch")]
 
     def __str__(self) -> str:
         return "dispatch paused" if self.paused else "dispatch running"

@@ -36,6 +36,9 @@ class Worker(models.Model):
 
     class Meta:
         ordering = ["id"]
+        # A new credential opens a Session: more than changing a Worker (README
+        # "Admin permissions").
+        permissions = [("rotate_credential", "Can rotate a Worker's credential")]
         constraints = [
             models.CheckConstraint(
                 condition=Q(admin_state__in=WorkerAdminState.values),
