@@ -6,6 +6,9 @@ Revocation is an action over `lease_revoke`. DispatchCycle is a big, append-
 only table: read-only, with a capped paginator. The "dispatch paused" kill
 switch is a single DispatchControl row changed only through
 `dispatch_set_paused`, and every cycle honours it.
+
+Revoking needs `dispatch.revoke_lease`; the switch (its actions and its form)
+needs `dispatch.pause_dispatch` — `change_dispatchcontrol` alone flips nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from django.utils.functional import cached_property
 from dispatch.cycles import dispatch_paused, dispatch_set_paused
 from dispatch.models import DispatchControl, DispatchCycle, LeaseState, RunLease
 from dispatch.services import lease_revoke
-from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin
+from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, holds
 from runs.services import Outcome
 
 COUNT_CAP: Final = 10_000
@@ -90,6 +93,9 @@ class RunLeaseAdmin(ViewOnlyAdmin):
     readonly_fields = fields
     actions = ("revoke_leases",)
 
+    def has_revoke_lease_permission(self, request: HttpRequest) -> bool:
+        return holds(request, "dispatch.revoke_lease")
+
     @admin.display(description="token digest")
     def token_prefix(self, lease: RunLease) -> str:
         return f"{lease.token_digest[:8]}…"
@@ -98,7 +104,7 @@ class RunLeaseAdmin(ViewOnlyAdmin):
     def spec_digest_prefix(self, lease: RunLease) -> str:
         return f"{lease.spec_digest[:8]}…"
 
-    @admin.action(description="Revoke selected active leases")
+    @admin.action(description="Revoke selected active leases", permissions=["revoke_lease"])
     def revoke_leases(self, request: HttpRequest, queryset: QuerySet[RunLease]) -> None:
         revoked = 0
         for lease_id in queryset.filter(state=LeaseState.ACTIVE).values_list("id", flat=True):
@@ -174,11 +180,23 @@ class DispatchControlAdmin(DigestLookupGuard):
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+    def has_pause_dispatch_permission(self, request: HttpRequest) -> bool:
+        return holds(request, "dispatch.pause_dispatch")
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # The form is the switch too: the same permission as the actions.
+        return self.has_pause_dispatch_permission(request)
+
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        # The switch is a singleton: make sure its one row exists to act on.
-        if not DispatchControl.objects.filter(pk=1).exists():
+        # The switch is a singleton: make sure its one row exists to act on,
+        # but only for someone who may act (looking writes nothing; no row =
+        # running).
+        if (
+            self.has_pause_dispatch_permission(request)
+            and not DispatchControl.objects.filter(pk=1).exists()
+        ):
             dispatch_set_paused(paused=False, reason="", actor=_actor(request))
         _warn_if_paused(self, request)
         return super().changelist_view(request, extra_context)
@@ -189,12 +207,12 @@ class DispatchControlAdmin(DigestLookupGuard):
         # The form is a toggle; the service is the one writer of the switch.
         dispatch_set_paused(paused=obj.paused, reason=obj.reason, actor=_actor(request))
 
-    @admin.action(description="Pause dispatch (kill switch)")
+    @admin.action(description="Pause dispatch (kill switch)", permissions=["pause_dispatch"])
     def pause_dispatch(self, request: HttpRequest, queryset: QuerySet[DispatchControl]) -> None:
         dispatch_set_paused(paused=True, reason="paused from the admin", actor=_actor(request))
         self.message_user(request, "Dispatch paused (1 switch).", messages.WARNING)
 
-    @admin.action(description="Resume dispatch")
+    @admin.action(description="Resume dispatch", permissions=["pause_dispatch"])
     def resume_dispatch(self, request: HttpRequest, queryset: QuerySet[DispatchControl]) -> None:
         dispatch_set_paused(paused=False, reason="", actor=_actor(request))
         self.message_user(request, "Dispatch resumed (1 switch).", messages.SUCCESS)

@@ -7,6 +7,11 @@
   local field, so `?token_digest__startswith=ab` would let a staff user recover
   a full digest one prefix at a time. Any lookup that touches a digest field,
   directly or across a relation, is refused (Django answers 400).
+- Permissions: every admin action declares the one permission it needs
+  (`@admin.action(permissions=[name])` with `has_<name>_permission`), so
+  Django neither offers nor runs it for a user without it; pages whose fields
+  are all read-only grant no change permission at all. The table of who may
+  do what is in the README ("Admin permissions").
 """
 
 from __future__ import annotations
@@ -41,8 +46,18 @@ class DigestLookupGuard(admin.ModelAdmin):
         return tuple(field for field in fields if not touches_digest(field.lstrip("^=@")))
 
 
+def holds(request: HttpRequest, permission: str) -> bool:
+    """The body of a `has_<name>_permission` method: the user holds `app.codename`."""
+    return bool(request.user.has_perm(permission))
+
+
 class ReadOnlyAdmin(DigestLookupGuard):
-    """A view-only console page: state changes only through services (STYLE.md)."""
+    """A view-only console page: state changes only through services (STYLE.md).
+
+    Its actions (each with its own permission) are the only writes. No change
+    form either: saving one would write back a whole row read a moment ago over
+    whatever a service changed since.
+    """
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -4,6 +4,9 @@ A console, not a backdoor: state fields are read-only, Attempts and their
 history cannot be added or deleted, and every action calls a service and
 reports how many rows it changed. Task definitions are shown (an operator owns
 them), but never from a Run/Attempt page where lease facts are listed.
+
+Actions need the same model permissions as the operator API: enqueueing a Run
+(also a retry) `runs.add_run`, cancelling one `runs.change_run`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from qinglong.admin import DigestLookupGuard
+from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, holds
 from runs.models import (
     RUN_TERMINAL_STATES,
     Attempt,
@@ -60,8 +63,12 @@ def _actor(request: HttpRequest) -> str:
     return f"admin:{getattr(request.user, 'username', '')}"
 
 
+def _may_enqueue(request: HttpRequest) -> bool:
+    return holds(request, "runs.add_run")
+
+
 @admin.register(Task)
-class TaskAdmin(DigestLookupGuard):
+class TaskAdmin(ReadOnlyAdmin):
     list_display = ("name", "project", "current_revision", "updated_at")
     list_filter = ("project",)
     list_select_related = ("project", "current_revision__task")
@@ -71,11 +78,12 @@ class TaskAdmin(DigestLookupGuard):
     readonly_fields = ("project", "name", "current_revision", "created_at", "updated_at")
     inlines = (TaskRevisionInline,)
     actions = ("enqueue_run",)
+    # ReadOnlyAdmin: a Task is never deleted here (its revisions PROTECT it).
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
+    def has_enqueue_run_permission(self, request: HttpRequest) -> bool:
+        return _may_enqueue(request)
 
-    @admin.action(description="Enqueue a run of the current revision")
+    @admin.action(description="Enqueue a run of the current revision", permissions=["enqueue_run"])
     def enqueue_run(self, request: HttpRequest, queryset: QuerySet[Task]) -> None:
         enqueued = 0
         for task in queryset:
@@ -109,7 +117,7 @@ class AttemptEventInline(ReadOnlyInline):
 
 
 @admin.register(Run)
-class RunAdmin(DigestLookupGuard):
+class RunAdmin(ReadOnlyAdmin):
     list_display = (
         "id",
         "project",
@@ -140,13 +148,13 @@ class RunAdmin(DigestLookupGuard):
     actions = ("cancel_runs", "retry_failed_runs")
     show_full_result_count = False
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
+    def has_cancel_run_permission(self, request: HttpRequest) -> bool:
+        return holds(request, "runs.change_run")
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    def has_enqueue_run_permission(self, request: HttpRequest) -> bool:
+        return _may_enqueue(request)
 
-    @admin.action(description="Cancel selected runs")
+    @admin.action(description="Cancel selected runs", permissions=["cancel_run"])
     def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
         cancelled = 0
         for run in queryset.exclude(state__in=RUN_TERMINAL_STATES):
@@ -155,7 +163,8 @@ class RunAdmin(DigestLookupGuard):
         self.message_user(request, f"Cancelled {cancelled} run(s).", messages.SUCCESS)
 
     @admin.action(
-        description="Retry failed runs (enqueue a new run of the task's current revision)"
+        description="Retry failed runs (enqueue a new run of the task's current revision)",
+        permissions=["enqueue_run"],
     )
     def retry_failed_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
         # A finished Run is history and never reopened: a retry is a new Run,
@@ -171,7 +180,7 @@ class RunAdmin(DigestLookupGuard):
 
 
 @admin.register(Attempt)
-class AttemptAdmin(DigestLookupGuard):
+class AttemptAdmin(ReadOnlyAdmin):
     list_display = ("id", "run", "number", "state", "lease_generation", "exit_code", "finished_at")
     list_filter = ("state",)
     list_select_related = ("run",)
@@ -180,9 +189,3 @@ class AttemptAdmin(DigestLookupGuard):
     readonly_fields = [f.name for f in Attempt._meta.fields]
     inlines = (AttemptEventInline,)
     show_full_result_count = False
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

@@ -4,6 +4,10 @@ Drain, disable, activate and credential rotation are actions over the worker
 services. The credential digest is never shown — only the prefix an operator
 needs to tell two credentials apart — and a rotated credential is shown once,
 in the action's message, exactly like `manage.py enroll_worker` prints it.
+
+Drain, disable and activate need `workers.change_worker`; rotation needs its
+own `workers.rotate_credential`, because the credential it shows opens a
+Session. The change page itself is read-only for everyone.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin
+from qinglong.admin import ReadOnlyAdmin, holds
 from workers.models import Worker, WorkerAdminState, WorkerSession
 from workers.services import worker_rotate_credential, worker_set_admin_state
 
@@ -55,7 +59,7 @@ class WorkerSessionInline(admin.TabularInline):
 
 
 @admin.register(Worker)
-class WorkerAdmin(DigestLookupGuard):
+class WorkerAdmin(ReadOnlyAdmin):
     list_display = (
         "name",
         "admin_state",
@@ -84,12 +88,14 @@ class WorkerAdmin(DigestLookupGuard):
     inlines = (WorkerSessionInline,)
     actions = ("drain_workers", "disable_workers", "activate_workers", "rotate_credentials")
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        # Enrollment prints a credential once: `manage.py enroll_worker` or the API.
-        return False
+    # ReadOnlyAdmin: no add page (enrollment prints a credential once:
+    # `manage.py enroll_worker`), no delete (its Sessions and leases are history).
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    def has_set_admin_state_permission(self, request: HttpRequest) -> bool:
+        return holds(request, "workers.change_worker")
+
+    def has_rotate_credential_permission(self, request: HttpRequest) -> bool:
+        return holds(request, "workers.rotate_credential")
 
     def _set_state(
         self, request: HttpRequest, queryset: QuerySet[Worker], state: WorkerAdminState
@@ -100,19 +106,23 @@ class WorkerAdmin(DigestLookupGuard):
             changed += 1
         self.message_user(request, f"{changed} worker(s) now {state}.", messages.SUCCESS)
 
-    @admin.action(description="Drain: keep leases, take no new claims")
+    @admin.action(
+        description="Drain: keep leases, take no new claims", permissions=["set_admin_state"]
+    )
     def drain_workers(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
         self._set_state(request, queryset, WorkerAdminState.DRAINING)
 
-    @admin.action(description="Disable: end Sessions and their leases")
+    @admin.action(
+        description="Disable: end Sessions and their leases", permissions=["set_admin_state"]
+    )
     def disable_workers(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
         self._set_state(request, queryset, WorkerAdminState.DISABLED)
 
-    @admin.action(description="Activate")
+    @admin.action(description="Activate", permissions=["set_admin_state"])
     def activate_workers(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
         self._set_state(request, queryset, WorkerAdminState.ACTIVE)
 
-    @admin.action(description="Rotate credential (shown once)")
+    @admin.action(description="Rotate credential (shown once)", permissions=["rotate_credential"])
     def rotate_credentials(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
         rotated = 0
         for worker in queryset:
