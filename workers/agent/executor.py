@@ -44,15 +44,19 @@ class LocalProcess:
         self._signal_group(signal.SIGKILL)
 
     def output_tail(self, limit: int) -> str:
-        """The last `limit` bytes of stdout+stderr, decoded leniently."""
+        """The newest stdout+stderr that fits `limit` (its escaped size on the
+        wire, see `clean_output_tail`), decoded leniently."""
         self._output.flush()
         size = self._output.seek(0, os.SEEK_END)
+        # Every character takes at least its UTF-8 bytes on the wire, so the
+        # last `limit` bytes of the file hold all that can fit.
         self._output.seek(max(0, size - limit))
         data = self._output.read(limit)
         self._output.close()
         # Invalid UTF-8 and NUL bytes become U+FFFD (the control plane stores
-        # text, and PostgreSQL text refuses NUL); the replacements can make the
-        # text longer in UTF-8, so it is re-trimmed to `limit` bytes.
+        # text, and PostgreSQL text refuses NUL); quotes, backslashes and
+        # control characters count as their JSON escapes, so the text is
+        # trimmed again until the ACK body it goes into fits the server's cap.
         return clean_output_tail(data.decode("utf-8", "replace"), limit)
 
 

@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,26 +27,64 @@ __all__ = [
     "TransportError",
     "canonical_json",
     "clean_output_tail",
+    "output_tail_wire_bytes",
     "spec_sha256",
     "verify_offer",
 ]
 
-# DESIGN §4: an ACK's output tail is at most 64 KiB.
+# The output tail limit, defined on what is sent (DESIGN §4 "≤ 64 KiB"): the
+# tail's JSON string escaping with UTF-8 left as is (json.dumps(tail,
+# ensure_ascii=False) without its quotes), in UTF-8 bytes. A quote, backslash
+# or control character counts as its escape (2 or 6 bytes), so a tail within
+# the limit keeps the whole ACK body under the server's 80 KiB request cap,
+# however the output looks. The control plane imports this very definition.
 MAX_OUTPUT_TAIL_BYTES = 64 * 1024
 
 # NUL (a database text column refuses it) and lone surrogates (not UTF-8 at all).
 _UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
+# The characters json.dumps(ensure_ascii=False) escapes as two bytes.
+_SHORT_ESCAPES = frozenset('"\\\b\f\n\r\t')
+
+
+def _wire_size(char: str) -> int:
+    """The UTF-8 bytes one character takes inside a JSON string (ensure_ascii=False)."""
+    code = ord(char)
+    if char in _SHORT_ESCAPES:
+        return 2
+    if code < 0x20:
+        return 6  # \u00XX
+    if code < 0x80:
+        return 1
+    if code < 0x800:
+        return 2
+    if code < 0x10000:
+        return 3
+    return 4
+
+
+def output_tail_wire_bytes(text: str) -> int:
+    """The size an output tail counts for against MAX_OUTPUT_TAIL_BYTES."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass")) - 2
 
 
 def clean_output_tail(text: str, limit: int = MAX_OUTPUT_TAIL_BYTES) -> str:
     """The tail as the control plane stores it: U+FFFD for NUL and lone
-    surrogates, at most `limit` bytes of UTF-8 (the oldest characters go)."""
+    surrogates, then the newest characters whose escaped size fits `limit`.
+
+    The cut falls between two characters (never inside a UTF-8 sequence or an
+    escape); replacing never grows the size (a NUL counts 6, U+FFFD 3).
+    """
     cleaned = _UNSENDABLE.sub("\ufffd", text)
-    encoded = cleaned.encode("utf-8")
-    if len(encoded) <= limit:
+    if output_tail_wire_bytes(cleaned) <= limit:
         return cleaned
-    # Cut at a character boundary: a leading partial sequence is dropped.
-    return encoded[-limit:].decode("utf-8", "ignore")
+    total = 0
+    start = len(cleaned)
+    while start > 0:
+        total += _wire_size(cleaned[start - 1])
+        if total > limit:
+            break
+        start -= 1
+    return cleaned[start:]
 
 
 class TransportError(Exception):
@@ -101,6 +140,20 @@ def verify_offer(offer: Mapping[str, Any]) -> bool:
     return spec_sha256(spec) == declared
 
 
+# Pauses before the terminal ACK is sent again after a 5xx, a 429 or a
+# transport error: four tries over about 7 seconds.
+TERMINAL_ACK_RETRY_DELAYS_S = (1.0, 2.0, 4.0)
+
+
+def _transient(status: int) -> bool:
+    return status >= 500 or status == 429
+
+
+def _body_refused(status: int) -> bool:
+    """A 4xx about the request itself: worth a smaller body (409: the lease is gone)."""
+    return 400 <= status < 500 and status not in (409, 429)
+
+
 class AckRejected(Exception):
     """The control plane refused an ACK: stop the Attempt (DESIGN §4)."""
 
@@ -134,9 +187,8 @@ class AttemptRunner:
         fallback_tokens: Sequence[str] = (),
         poll_interval_s: float = 0.2,
         clock: Callable[[], float] | None = None,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
-        import time
-
         self.transport = transport
         self.session_token = session_token
         self.offer = offer
@@ -148,6 +200,7 @@ class AttemptRunner:
         self.spawn = spawn
         self.poll_interval_s = poll_interval_s
         self.clock = clock or time.monotonic
+        self._sleep = sleep or time.sleep
         # Set by the heartbeat loop on a cancel verdict, or by any 409.
         self.stop = threading.Event()
         self.stop_reason = ""
@@ -157,39 +210,70 @@ class AttemptRunner:
         self.stop_reason = self.stop_reason or reason
         self.stop.set()
 
-    def _ack(self, phase: str, **extra: Any) -> Response:
+    def _post_ack(self, phase: str, extra: Mapping[str, Any]) -> Response:
         body = {
             "phase": phase,
             "lease_token": self.lease_token,
             "spec_sha256": self.offer["spec_sha256"],
             **extra,
         }
-        response = self.transport.post(
+        return self.transport.post(
             f"/api/v1/worker/leases/{self.offer_id}/ack", body, token=self.session_token
         )
+
+    def _accepted(self, phase: str, response: Response) -> Response:
         if response.status != 200:
             raise AckRejected(phase, response)
         if response.body.get("cancel_requested"):
             self.cancel("cancelled")
         return response
 
-    def _ack_final(self, phase: str, **extra: Any) -> Response:
-        """A terminal ACK; its output tail must never be why it fails.
+    def _ack(self, phase: str, **extra: Any) -> Response:
+        return self._accepted(phase, self._post_ack(phase, extra))
 
-        The tail is cleaned first; if the control plane still answers 400 (an
-        older server, a stricter proxy), the ACK goes once more without it: the
-        outcome matters, the tail is a courtesy. Without this the Attempt would
-        stay `running` until its lease expired.
+    def _post_patiently(self, phase: str, extra: Mapping[str, Any]) -> Response:
+        """One terminal ACK body, sent again after a pause on 5xx, 429 or a
+        transport error (the same phase twice is a no-op on the server).
+
+        Bounded: a control plane that stays away longer is issue 10's job (a
+        journal replayed later); here the last error goes back to the caller.
+        """
+        for delay in TERMINAL_ACK_RETRY_DELAYS_S:
+            try:
+                response = self._post_ack(phase, extra)
+            except TransportError:
+                pass
+            else:
+                if not _transient(response.status):
+                    return response
+            self._sleep(delay)
+        return self._post_ack(phase, extra)
+
+    def _ack_final(self, phase: str, **extra: Any) -> Response:
+        """A terminal ACK: a finished process is always reported.
+
+        Everything but the outcome is a courtesy. The tail is cleaned and
+        trimmed to its limit first; if the control plane still refuses the
+        body with a 4xx other than 409 (a 400 from a stricter server, a 413
+        from a proxy with a smaller cap, a 411, a 422, ...), the ACK goes again
+        without the tail, then with only what every server requires (the phase,
+        lease token, spec digest and exit code). A 409 means the lease is gone:
+        stop. Without this the Attempt would stay `running` until the agent
+        stopped, then end `failed` although the process had exited 0.
         """
         if "output_tail" in extra:
             extra["output_tail"] = clean_output_tail(str(extra["output_tail"]))
-        try:
-            return self._ack(phase, **extra)
-        except AckRejected as err:
-            if err.response.status != 400 or "output_tail" not in extra:
-                raise
-        del extra["output_tail"]
-        return self._ack(phase, **extra)
+        bodies = [extra]
+        without_tail = {k: v for k, v in extra.items() if k != "output_tail"}
+        minimal = {k: v for k, v in extra.items() if k == "exit_code"}
+        for body in (without_tail, minimal):
+            if body != bodies[-1]:
+                bodies.append(body)
+        for body in bodies[:-1]:
+            response = self._post_patiently(phase, body)
+            if not _body_refused(response.status):
+                return self._accepted(phase, response)
+        return self._accepted(phase, self._post_patiently(phase, bodies[-1]))
 
     def _ack_starting(self) -> None:
         candidates = [self.lease_token, *self.fallback_tokens]
@@ -207,14 +291,7 @@ class AttemptRunner:
         outcome = AttemptOutcome(offer_id=self.offer_id, ran=False, final_phase=None)
         if not verify_offer(self.offer):
             # Never run a spec that is not the one the lease was granted for.
-            try:
-                self._ack("start_failed", error_code="spec_digest_mismatch")
-                outcome.acks.append("start_failed")
-                outcome.final_phase = "start_failed"
-            except AckRejected:
-                pass
-            outcome.stopped = "spec_digest_mismatch"
-            return outcome
+            return self._start_failed(outcome, "spec_digest_mismatch")
         try:
             # The starting ACK comes BEFORE the spawn: a 409 here (expired,
             # revoked, cancelled) means this Worker must not run it at all.
@@ -228,17 +305,9 @@ class AttemptRunner:
         spec = self.offer["spec"]
         try:
             process = self.spawn(spec)
-        except OSError as err:
-            try:
-                self._ack_final(
-                    "start_failed", error_code="spawn_failed", output_tail=type(err).__name__
-                )
-                outcome.acks.append("start_failed")
-                outcome.final_phase = "start_failed"
-            except AckRejected:
-                pass
-            outcome.stopped = "spawn_failed"
-            return outcome
+        except (OSError, ValueError) as err:
+            # ValueError: what exec refuses before trying (e.g. a NUL in argv).
+            return self._start_failed(outcome, "spawn_failed", output_tail=type(err).__name__)
         outcome.ran = True
         try:
             self._ack("running", executor_handle=f"pid:{process.pid}")
@@ -273,13 +342,19 @@ class AttemptRunner:
 
     def _finish_unstarted(self, outcome: AttemptOutcome) -> AttemptOutcome:
         # Cancelled between the starting ACK and the spawn: report, spawn nothing.
+        return self._start_failed(outcome, "cancelled", stopped=self.stop_reason)
+
+    def _start_failed(
+        self, outcome: AttemptOutcome, code: str, *, stopped: str | None = None, **extra: Any
+    ) -> AttemptOutcome:
+        """Nothing ran: ACK `start_failed` with `code` (a 409 just ends it)."""
         try:
-            self._ack("start_failed", error_code="cancelled")
+            self._ack_final("start_failed", error_code=code, **extra)
             outcome.acks.append("start_failed")
             outcome.final_phase = "start_failed"
         except AckRejected:
             pass
-        outcome.stopped = self.stop_reason
+        outcome.stopped = code if stopped is None else stopped
         return outcome
 
     def _wait(self, process: Process, *, timeout_s: float) -> int:

@@ -8,7 +8,6 @@ the views emit the exact dictionaries the services and offers produce.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from django.core.validators import ProhibitNullCharactersValidator, RegexValidator
@@ -26,6 +25,11 @@ from qinglong.api_common import (
     StrictUUIDField,
 )
 from runs.models import AttemptState, RunState
+from workers.agent.protocol import (
+    MAX_OUTPUT_TAIL_BYTES,
+    clean_output_tail,
+    output_tail_wire_bytes,
+)
 from workers.models import SessionState
 from workers.services import MAX_EXECUTOR_TYPES, MAX_SLOTS
 
@@ -34,7 +38,6 @@ from workers.services import MAX_EXECUTOR_TYPES, MAX_SLOTS
 LEASE_TOKEN_RE = r"^[A-Za-z0-9_-]{43,128}$"
 SPEC_SHA256_RE = r"^[0-9a-f]{64}$"
 OFFER_ID_RE = r"^[0-9a-f]{64}$"
-MAX_OUTPUT_TAIL_BYTES = 64 * 1024
 MAX_OFFERS_PER_PULL = 16
 _INT32 = 2**31
 
@@ -176,32 +179,18 @@ class PullResponseSerializer(serializers.Serializer):
 
 # ---------------------------------------------------------------------- ack
 
-# NUL (PostgreSQL text cannot hold it) and lone surrogates (not encodable as
-# UTF-8: no database or JSON encoder takes them).
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def clean_output_tail(text: str, limit: int = MAX_OUTPUT_TAIL_BYTES) -> str:
-    """Replace what cannot be stored with U+FFFD, then keep the last `limit` bytes.
-
-    A NUL is 1 byte and U+FFFD 3, so the cleaned text can outgrow the cap: it is
-    a tail, so the oldest characters go.
-    """
-    cleaned = _UNSTORABLE.sub("\ufffd", text)
-    if len(cleaned.encode("utf-8")) <= limit:
-        return cleaned
-    tail = cleaned.encode("utf-8")[-limit:]
-    # Cut at a character boundary: drop a leading partial sequence.
-    return tail.decode("utf-8", "ignore")
-
 
 class OutputTailField(StrictCharField):
-    """A process's output tail: any string up to 64 KiB of UTF-8, made storable.
+    """A process's output tail, limited by its size as sent, made storable.
 
-    Process output holds whatever the program wrote, NUL bytes included; refusing
-    it would 400 the terminal ACK and leave the Attempt `running` until its
-    lease expired. So unstorable characters are replaced, never refused; only a
-    tail over the documented 64 KiB cap is a 400.
+    The limit (`MAX_OUTPUT_TAIL_BYTES`, shared with the reference agent) is on
+    the tail's JSON string escaping in UTF-8 (`output_tail_wire_bytes`): a
+    client that sends UTF-8 JSON (no \\u escapes for non-ASCII) and keeps the
+    tail within it always fits the 80 KiB body cap, whatever the output holds.
+    Process output holds whatever the program wrote, NUL bytes included;
+    refusing it would 400 the terminal ACK, so NUL and lone surrogates are
+    stored as U+FFFD (which never makes the tail bigger); only a tail over the
+    limit is a 400.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -217,8 +206,10 @@ class OutputTailField(StrictCharField):
 
     def to_internal_value(self, data: Any) -> str:
         value = super().to_internal_value(data)
-        if len(value.encode("utf-8", "surrogatepass")) > MAX_OUTPUT_TAIL_BYTES:
+        if output_tail_wire_bytes(value) > MAX_OUTPUT_TAIL_BYTES:
             self.fail("max_length", max_length=MAX_OUTPUT_TAIL_BYTES)
+        # Cleaning keeps the limit (U+FFFD counts 3 bytes, a NUL 6), so this
+        # trims nothing: what was accepted is stored whole.
         return clean_output_tail(value)
 
 
@@ -245,9 +236,14 @@ class AckRequestSerializer(StrictSerializer):
         required=False,
         allow_blank=True,
         help_text=(
-            "At most 64 KiB of UTF-8. The whole ACK body is capped at 80 KiB: send the "
-            "JSON as UTF-8 without \\u escapes (Python: ensure_ascii=False) or trim further. "
-            "NUL and lone surrogates are stored as U+FFFD (never a 400)."
+            "The newest process output. Limit: 64 KiB (65536 bytes) counted on what is "
+            "sent, i.e. the UTF-8 bytes of the JSON-escaped string without its quotes "
+            '(Python: len(json.dumps(tail, ensure_ascii=False).encode()) - 2; a `"`, `\\` '
+            "or control character counts as its escape). Send the body as UTF-8 JSON "
+            "without \\u escapes for non-ASCII (ensure_ascii=False): a tail within the "
+            "limit then always fits the 80 KiB request cap. Over the limit: 400. NUL and "
+            "lone surrogates are stored as U+FFFD (never a 400). Optional on every "
+            "terminal phase: an ACK without it is complete."
         ),
     )
 

@@ -18,6 +18,7 @@ from workers.agent.protocol import (
     AttemptRunner,
     Response,
     clean_output_tail,
+    output_tail_wire_bytes,
     spec_sha256,
 )
 from workers.agent.transport import HttpTransport, is_loopback_host
@@ -84,10 +85,13 @@ def test_a_terminal_ack_refused_with_400_is_retried_once_without_the_tail() -> N
     assert (outcome.final_phase, outcome.stopped) == ("succeeded", "")
 
 
-def test_the_retry_happens_once_only() -> None:
-    transport = ScriptedTransport({"failed": [BAD_TAIL, BAD_TAIL]})
+def test_after_the_tail_the_error_code_goes_too_then_the_agent_stops() -> None:
+    # The whole fallback sequence is in test_agent_tail.py.
+    transport = ScriptedTransport({"failed": [BAD_TAIL, BAD_TAIL, BAD_TAIL]})
     outcome = _runner(transport, DirtyProcess(exit_code=2)).run()
-    assert len(_terminal_calls(transport)) == 2
+    full, without_tail, minimal = _terminal_calls(transport)
+    assert "output_tail" in full and "output_tail" not in without_tail
+    assert "error_code" in without_tail and "error_code" not in minimal
     assert outcome.final_phase is None
     assert outcome.stopped == "invalid_request"
 
@@ -109,16 +113,18 @@ def _tail_of(tmp_path: Any, payload: str) -> str:
 def test_the_spawner_tail_has_no_nul_and_is_valid_utf8(tmp_path: Any) -> None:
     # NUL and invalid UTF-8 become U+FFFD: what the server would store anyway.
     assert _tail_of(tmp_path, "b'a\\x00b\\xff\\xfec'") == "a\ufffdb\ufffd\ufffdc"
-    # NULs grow 1 → 3 bytes when replaced: the tail is re-trimmed to the cap.
+    # NULs grow 1 → 3 bytes when replaced: the tail is re-trimmed to the limit.
     tail = _tail_of(tmp_path, "b'\\x00' * 30000 + 'é'.encode() * 20000")
     assert "\x00" not in tail
-    assert len(tail.encode("utf-8")) <= MAX_OUTPUT_TAIL_BYTES
+    assert len(tail.encode("utf-8")) <= output_tail_wire_bytes(tail) <= MAX_OUTPUT_TAIL_BYTES
     assert tail.endswith("é" * 20000)
 
 
-def test_clean_output_tail_matches_the_servers_rule() -> None:
+def test_clean_output_tail_is_the_servers_rule() -> None:
     from workers.api.serializers import clean_output_tail as server_clean
 
+    # One definition, imported by the server: the two can never drift.
+    assert server_clean is clean_output_tail
     for text, limit in (("a\x00\ud800b", 100), ("é" * 10 + "\x00" * 5, 12), ("ok 😀", 5)):
         assert clean_output_tail(text, limit) == server_clean(text, limit)
 

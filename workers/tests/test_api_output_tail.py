@@ -5,6 +5,10 @@ lone surrogate used to turn the terminal ACK into a 400 and leave the Attempt
 `running` until its lease expired. The server now stores U+FFFD for them, on
 SQLite and PostgreSQL alike. The short machine strings (`error_code`,
 `executor_handle`) keep refusing them with a clear 400.
+
+The limit is on the tail as sent (its JSON escaping in UTF-8), so a tail
+within it always fits the 80 KiB body cap, and a terminal ACK without a tail
+is complete.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ from django.test import Client
 
 from qinglong.testing import make_run, make_worker
 from runs.models import Attempt, AttemptState
-from workers.api.serializers import MAX_OUTPUT_TAIL_BYTES, clean_output_tail
+from workers.api.serializers import (
+    MAX_OUTPUT_TAIL_BYTES,
+    clean_output_tail,
+    output_tail_wire_bytes,
+)
+from workers.api.views import WORKER_MAX_BODY_BYTES
 from workers.tests.api_helpers import (
     PHASE_EXTRA,
     WORKER_API,
@@ -72,13 +81,20 @@ def test_nul_and_lone_surrogates_in_a_terminal_tail_are_stored_as_replacement_ch
     stored.encode("utf-8")  # strict: no surrogate survived
 
 
-def test_a_cleaned_tail_that_outgrows_64_kib_keeps_its_newest_64_kib(started: Any) -> None:
+def _post_raw(wc: WorkerClient, offer: dict[str, Any], body: dict[str, Any]) -> Any:
+    # As the reference agent sends it: UTF-8 JSON, no \\u escapes for non-ASCII.
+    raw = json.dumps(body, ensure_ascii=False).encode("utf-8")
+    path = f"{WORKER_API}/leases/{offer['offer_id']}/ack"
+    return wc.client.post(path, data=raw, content_type="application/json", **bearer(wc.token))
+
+
+def test_an_accepted_tail_with_nul_is_stored_whole(started: Any) -> None:
+    # The limit counts a NUL as its 6-byte escape and U+FFFD as 3 bytes, so
+    # cleaning never pushes an accepted tail over it: nothing is cut.
     wc, offer, token = started
     assert wc.ack(offer, "running", token, **PHASE_EXTRA["running"]).status_code == 200
-    # 60,000 + 3,000 bytes as sent (under the cap); each NUL becomes 3 bytes of
-    # U+FFFD, so the cleaned text is 69,000 bytes: its oldest part goes.
-    tail = "é" * 30000 + "\x00" * 3000
-    path = f"{WORKER_API}/leases/{offer['offer_id']}/ack"
+    tail = "é" * 30000 + "\x00" * 900  # 60,000 + 5,400 bytes as sent
+    assert output_tail_wire_bytes(tail) <= MAX_OUTPUT_TAIL_BYTES
     body = {
         "phase": "failed",
         "lease_token": token,
@@ -86,13 +102,53 @@ def test_a_cleaned_tail_that_outgrows_64_kib_keeps_its_newest_64_kib(started: An
         "exit_code": 1,
         "output_tail": tail,
     }
-    raw = json.dumps(body, ensure_ascii=False).encode("utf-8")
-    response = wc.client.post(path, data=raw, content_type="application/json", **bearer(wc.token))
+    response = _post_raw(wc, offer, body)
     assert response.status_code == 200, response.content
-    stored = _stored_tail()
-    assert len(stored.encode("utf-8")) <= MAX_OUTPUT_TAIL_BYTES
-    assert stored.endswith("\ufffd" * 3000)
-    assert stored.startswith("é")  # cut at a character boundary
+    assert _stored_tail() == "é" * 30000 + "\ufffd" * 900
+
+
+@pytest.mark.parametrize("char", ['"', "\\", "\x01", "\n", "\x00", "😀", "雪", "a"])
+def test_a_tail_at_the_limit_fits_the_body_cap_and_is_accepted_whole(
+    started: Any, char: str
+) -> None:
+    """Whatever the output holds, a tail within the limit makes an ACK body the
+    server takes (the 80 KiB cap used to turn escape-heavy tails into 413s)."""
+    wc, offer, token = started
+    tail = clean_output_tail(char * MAX_OUTPUT_TAIL_BYTES)
+    assert MAX_OUTPUT_TAIL_BYTES - 6 < output_tail_wire_bytes(tail) <= MAX_OUTPUT_TAIL_BYTES
+    body = {
+        "phase": "start_failed",
+        "lease_token": token,
+        "spec_sha256": offer["spec_sha256"],
+        "exit_code": -(2**31),
+        "error_code": "e" * 64,
+        "output_tail": tail,
+    }
+    assert len(json.dumps(body, ensure_ascii=False).encode("utf-8")) < WORKER_MAX_BODY_BYTES
+    response = _post_raw(wc, offer, body)
+    assert response.status_code == 200, response.content
+    assert _stored_tail() == tail
+
+
+@pytest.mark.parametrize(
+    ("phase", "state"),
+    [
+        ("succeeded", AttemptState.SUCCEEDED),
+        ("failed", AttemptState.FAILED),
+        ("start_failed", AttemptState.START_FAILED),
+    ],
+)
+def test_a_terminal_ack_without_a_tail_is_complete(started: Any, phase: str, state: str) -> None:
+    # The agent's last resort (phase, token, digest, exit code) must always do.
+    wc, offer, token = started
+    if phase != "start_failed":
+        assert wc.ack(offer, "running", token, **PHASE_EXTRA["running"]).status_code == 200
+    extra = {"exit_code": 0 if phase == "succeeded" else 1} if phase != "start_failed" else {}
+    response = wc.ack(offer, phase, token, **extra)
+    assert response.status_code == 200, response.content
+    assert response.json()["attempt_state"] == state
+    attempt = Attempt.objects.get()
+    assert (attempt.state, attempt.output_tail) == (state, "")
 
 
 @pytest.mark.parametrize(
@@ -119,9 +175,22 @@ def test_short_machine_strings_still_refuse_nul_and_surrogates_clearly(
 
 def test_a_tail_over_64_kib_as_sent_is_still_a_400(started: Any) -> None:
     wc, offer, token = started
+    before = state_snapshot()
     response = wc.ack(offer, "failed", token, exit_code=1, output_tail="x" * 65537)
     assert response.status_code == 400
+    assert response.json()["error"]["message"].endswith("output_tail: max_length")
+    assert state_snapshot() == before
+
+
+def test_the_limit_counts_escapes_so_a_quote_heavy_tail_over_it_is_a_400(started: Any) -> None:
+    # 33,000 characters, but 66,000 bytes once escaped: over the limit as sent
+    # (it used to pass as "33,000 bytes of UTF-8").
+    wc, offer, token = started
+    before = state_snapshot()
+    response = wc.ack(offer, "failed", token, exit_code=1, output_tail='"' * 33000)
+    assert response.status_code == 400
     assert "output_tail" in response.json()["error"]["message"]
+    assert state_snapshot() == before
 
 
 def test_clean_output_tail_keeps_valid_text_and_cuts_at_character_boundaries() -> None:
