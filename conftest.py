@@ -3,6 +3,8 @@
 The suite runs twice (README command 2): once on SQLite, once on PostgreSQL.
 Tests marked `postgres` need real concurrent connections or processes; on the
 SQLite pass they are skipped with a reason, and they run on the PostgreSQL pass.
+Browser tests (marked `browser`, Playwright and Chromium) run on the SQLite pass
+only and are skipped with a reason on the PostgreSQL pass.
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ from django.db import connection
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if connection.vendor == "postgresql":
-        return
-    skip = pytest.mark.skip(reason="needs PostgreSQL; runs in the PostgreSQL pass")
+    # A test that drives the browser is marked `browser` whether or not its
+    # module says so (`-m "not browser"` then leaves them all out).
     for item in items:
-        if "postgres" in item.keywords:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)
+    if connection.vendor == "postgresql":
+        # Browser tests exercise pages, not the database engine: one pass is enough.
+        skip = pytest.mark.skip(reason="browser tests run in the SQLite pass")
+        marker = "browser"
+    else:
+        skip = pytest.mark.skip(reason="needs PostgreSQL; runs in the PostgreSQL pass")
+        marker = "postgres"
+    for item in items:
+        # By marker, not keyword: keywords also hold folder names (qinglong/tests/browser).
+        if item.get_closest_marker(marker) is not None:
             item.add_marker(skip)
