@@ -25,7 +25,7 @@ _seq = itertools.count(1)
 
 CANARY_COMMAND = "CANARY-CMD-7f3a9"
 CANARY_ENV = "CANARY-ENV-5b21c"
-CANARY_CWD = "/srv/CANARY-CWD-0d4e8"
+CANARY_CWD = "srv/CANARY-CWD-0d4e8"  # relative: a cwd lives in the Worker's work directory
 
 
 def definition(**overrides: Any) -> dict[str, object]:

@@ -85,7 +85,8 @@ _ID = re.compile(r"[0-9]{1,20}")
 _RESOURCE_MAX: Final[Mapping[str, int]] = MappingProxyType(
     {"cpu_millis": MAX_CPU_MILLIS, "memory_mb": MAX_MEMORY_MB}
 )
-_PATH_SEPARATORS = re.compile(r"[/\\]")
+# "C:", "c:/x": a Windows drive, absolute or drive-relative either way.
+_DRIVE = re.compile(r"[A-Za-z]:")
 
 ID_FIELDS: Final = ("run_id", "attempt_id", "project_id", "task_id")
 SPEC_FIELDS: Final = frozenset(
@@ -136,13 +137,33 @@ def validate_command(value: object) -> list[str]:
 
 
 def validate_cwd(value: object) -> str | None:
+    """A Task's working directory: a path relative to the Worker's work directory.
+
+    The one cwd rule (DESIGN §4 ExecutionSpec `cwd`), which the reference agent
+    checks again on its own filesystem: '/'-separated, not absolute (no leading
+    '/', no drive letter), no backslash, no '..' segment, so it can never name
+    a directory outside the work directory. It comes back normalized (empty and
+    '.' segments dropped: "./a//b/" is "a/b"; the work directory itself is
+    "."), so a stored revision re-validates to the same spec digest; None also
+    means the work directory.
+    """
     if value is None:
         return None
     text = require_str(value, field="cwd", max_chars=MAX_CWD_CHARS, allow_empty=False)
-    # A ".." segment can escape whatever root the Worker resolves cwd against.
-    if ".." in _PATH_SEPARATORS.split(text):
-        raise SpecError("cwd", "must not contain a '..' segment")
-    return text
+    if "\\" in text:
+        raise SpecError("cwd", "must separate directories with '/', never '\\'")
+    if text.startswith("/") or _DRIVE.match(text):
+        raise SpecError(
+            "cwd",
+            "must be a relative path inside the Worker's work directory "
+            "(no leading '/', no drive letter)",
+        )
+    segments = [segment for segment in text.split("/") if segment not in ("", ".")]
+    if ".." in segments:
+        raise SpecError(
+            "cwd", "must not contain a '..' segment (it must stay inside the work directory)"
+        )
+    return "/".join(segments) or "."
 
 
 def validate_env(value: object) -> dict[str, str]:

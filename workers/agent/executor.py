@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from workers.agent.protocol import clean_output_tail
+from workers.agent.protocol import SpecRefused, clean_output_tail
 
-__all__ = ["LocalProcess", "ProcessSpawner"]
+__all__ = ["LocalProcess", "ProcessSpawner", "resolve_cwd"]
 
 # The child gets the spec's env over a minimal base, never the agent's whole
 # environment (which may hold the agent's own secrets).
@@ -60,15 +60,36 @@ class LocalProcess:
         return clean_output_tail(data.decode("utf-8", "replace"), limit)
 
 
+def resolve_cwd(workdir: Path, cwd: object) -> Path:
+    """The directory a spec runs in: `cwd` relative to the work directory.
+
+    The control plane refuses an absolute cwd or a '..' segment already; this
+    is the agent's own check, on the real filesystem: symlinks are resolved,
+    and whatever lands outside the work directory is refused
+    (`cwd_outside_workdir`), never run.
+    """
+    base = workdir.resolve()
+    if cwd is None:
+        return base
+    if not isinstance(cwd, str) or not cwd or "\x00" in cwd:
+        raise SpecRefused("invalid_cwd")
+    relative = Path(cwd)
+    # An absolute cwd would replace the base in `base / cwd`: refuse it outright.
+    if relative.is_absolute():
+        raise SpecRefused("cwd_outside_workdir")
+    target = (base / relative).resolve()  # realpath: symlinks followed, '..' applied
+    if not target.is_relative_to(base):
+        raise SpecRefused("cwd_outside_workdir")
+    return target
+
+
 class ProcessSpawner:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
 
     def __call__(self, spec: Mapping[str, Any]) -> LocalProcess:
         command = [str(part) for part in spec["command"]]
-        cwd = self.workdir
-        if spec.get("cwd"):
-            cwd = (self.workdir / str(spec["cwd"])).resolve()
+        cwd = resolve_cwd(self.workdir, spec.get("cwd"))
         env = {key: os.environ[key] for key in _BASE_ENV if key in os.environ}
         env.update({str(k): str(v) for k, v in dict(spec.get("env") or {}).items()})
         output = tempfile.TemporaryFile()  # noqa: SIM115  (closed by output_tail)

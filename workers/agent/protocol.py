@@ -23,6 +23,7 @@ __all__ = [
     "Process",
     "Response",
     "Spawner",
+    "SpecRefused",
     "Transport",
     "TransportError",
     "canonical_json",
@@ -138,6 +139,15 @@ def verify_offer(offer: Mapping[str, Any]) -> bool:
     if not isinstance(spec, Mapping) or not isinstance(declared, str):
         return False
     return spec_sha256(spec) == declared
+
+
+class SpecRefused(Exception):
+    """The executor will not run this spec (e.g. its cwd leaves the work
+    directory): the Attempt ends `start_failed` with `code` as its error code."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 # Pauses before the terminal ACK is sent again after a 5xx, a 429 or a
@@ -305,6 +315,9 @@ class AttemptRunner:
         spec = self.offer["spec"]
         try:
             process = self.spawn(spec)
+        except SpecRefused as err:
+            # The executor's own checks (e.g. a cwd outside its work directory).
+            return self._start_failed(outcome, err.code)
         except (OSError, ValueError) as err:
             # ValueError: what exec refuses before trying (e.g. a NUL in argv).
             return self._start_failed(outcome, "spawn_failed", output_tail=type(err).__name__)

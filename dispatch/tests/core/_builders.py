@@ -30,7 +30,7 @@ def secret_definition(**overrides: Any) -> dict[str, object]:
     """A task whose command, cwd and env all carry the canary."""
     return definition(
         command=["run-job", f"--password={CANARY}"],
-        cwd=f"/srv/{CANARY}",
+        cwd=f"srv/{CANARY}",
         env={"API_TOKEN": CANARY},
         **overrides,
     )

@@ -141,9 +141,64 @@ def test_bad_cwd_is_rejected(value: object) -> None:
     assert field_of(err) == "cwd"
 
 
-def test_cwd_allows_none_and_dotted_names() -> None:
+@pytest.mark.parametrize(
+    ("value", "rule"),
+    [
+        ("/srv/app", "relative path inside the Worker's work directory"),
+        ("/", "relative path"),
+        ("//srv", "relative path"),
+        ("C:/jobs", "no drive letter"),
+        ("c:", "no drive letter"),
+        ("a\\b", "'/'"),
+        ("\\\\host\\share", "'/'"),
+        ("a/b/..", "'..' segment"),
+        ("./../x", "'..' segment"),
+        ("a/./../../etc", "'..' segment"),
+    ],
+)
+def test_a_cwd_outside_the_work_directory_is_refused_with_a_clear_rule(
+    value: str, rule: str
+) -> None:
+    # The one cwd rule: relative to the Worker's work directory, no escape.
+    with pytest.raises(SpecError) as err:
+        validate_cwd(value)
+    assert field_of(err) == "cwd"
+    assert rule in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "normal"),
+    [
+        ("app", "app"),
+        ("srv/app..v2/./x", "srv/app..v2/x"),
+        ("./build//out/", "build/out"),
+        (".", "."),
+        ("./", "."),
+        ("...", "..."),
+        ("C-drive/x", "C-drive/x"),
+    ],
+)
+def test_cwd_is_returned_normalized_and_normalizing_is_idempotent(value: str, normal: str) -> None:
+    assert validate_cwd(value) == normal
+    assert validate_cwd(normal) == normal
+
+
+def test_cwd_allows_none() -> None:
     assert validate_cwd(None) is None
-    assert validate_cwd("/srv/app..v2/./x") == "/srv/app..v2/./x"
+
+
+def test_the_spec_carries_the_normalized_cwd() -> None:
+    task = validate_task_definition(definition(cwd="./jobs//nightly/"))
+    spec = build_spec(task_revision=1, definition=task, **IDS)
+    assert spec["cwd"] == "jobs/nightly"
+    assert validate_spec(spec)["cwd"] == "jobs/nightly"
+
+
+def test_a_spec_with_an_absolute_cwd_fails_validation() -> None:
+    # What dispatch does with a stored revision written before the rule.
+    with pytest.raises(SpecError) as err:
+        validate_spec(a_spec(cwd="/etc"))
+    assert field_of(err) == "cwd"
 
 
 @pytest.mark.parametrize("value", [-1, 0, 604801, True, 1.5, "60"])
@@ -263,7 +318,7 @@ def test_malformed_placement_is_rejected_naming_the_field(placement: object, fie
 
 def test_task_definition_repr_hides_command_env_and_cwd() -> None:
     task = validate_task_definition(
-        definition(command=["x", CANARY], env={"K": CANARY}, cwd=f"/{CANARY}")
+        definition(command=["x", CANARY], env={"K": CANARY}, cwd=f"srv/{CANARY}")
     )
     assert CANARY not in repr(task)
 
@@ -382,7 +437,7 @@ _specs = st.fixed_dictionaries(
         "task_revision": st.integers(1, 10**9),
         "executor_type": st.from_regex(r"[a-z][a-z0-9_.-]{0,31}", fullmatch=True),
         "command": st.lists(_text, min_size=1, max_size=5).filter(lambda c: c[0].strip() != ""),
-        "cwd": st.none() | st.just("/srv/app"),
+        "cwd": st.none() | st.just("srv/app"),
         "env": st.dictionaries(
             st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True), _text, max_size=5
         ),
@@ -436,7 +491,7 @@ def test_command_errors_never_echo_the_value(index: int, kind: str) -> None:
     [
         ({"command": ["echo", "x\ud800"]}, "command[1]"),
         ({"env": {"API_KEY": "hunter2\udfff"}}, "env"),
-        ({"cwd": "/srv/\ud800"}, "cwd"),
+        ({"cwd": "srv/\ud800"}, "cwd"),
         ({"placement": {"required_labels": {"zone": "a\ud800"}}}, "placement.required_labels"),
     ],
 )
