@@ -75,7 +75,14 @@ class _DefinitionFields(serializers.Serializer):
         max_length=256,
         help_text="argv; never shown by the runs endpoints.",
     )
-    cwd = serializers.CharField(max_length=1024, required=False, allow_null=True)
+    cwd = serializers.CharField(
+        max_length=1024,
+        required=False,
+        allow_null=True,
+        help_text="Relative to the Worker's work directory, '/'-separated; an absolute "
+        "path, a drive letter, a backslash or a '..' segment is a 400. Stored normalized "
+        "('./a//b/' is 'a/b'). Never shown by the runs endpoints.",
+    )
     env = serializers.DictField(
         child=serializers.CharField(allow_blank=True, max_length=32768),
         required=False,

@@ -27,7 +27,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--slots", type=int, default=1, help="Concurrent Attempts (default 1).")
     parser.add_argument("--executor", choices=("process",), default="process")
-    parser.add_argument("--workdir", type=Path, default=Path.cwd(), help="Base of relative cwds.")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path.cwd(),
+        help="Work directory (default: the current one): a spec's cwd is relative to it, "
+        "and a cwd that resolves outside it is refused.",
+    )
     parser.add_argument("--poll-interval", type=float, default=1.0, help="Seconds between pulls.")
     parser.add_argument(
         "--long-poll",
