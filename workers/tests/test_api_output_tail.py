@@ -199,3 +199,16 @@ def test_clean_output_tail_keeps_valid_text_and_cuts_at_character_boundaries() -
     assert clean_output_tail("\ud83d\ude00") == "\ufffd\ufffd"  # a pair split into lone halves
     assert clean_output_tail("a雪雪", limit=4) == "雪"  # 7 bytes → last 4 → one whole 雪
     assert clean_output_tail("\x00" * 10, limit=9) == "\ufffd" * 3
+
+
+def test_a_repeated_terminal_ack_without_the_tail_keeps_the_stored_tail(started: Any) -> None:
+    # The agent's retry after a lost response may go without the tail (its
+    # fallback); the outcome is already recorded, so nothing is overwritten.
+    wc, offer, token = started
+    assert wc.ack(offer, "running", token, **PHASE_EXTRA["running"]).status_code == 200
+    first = wc.ack(offer, "succeeded", token, exit_code=0, output_tail="all done\n")
+    assert first.status_code == 200
+    again = wc.ack(offer, "succeeded", token, exit_code=0)
+    assert again.status_code == 200
+    assert again.json()["attempt_state"] == AttemptState.SUCCEEDED
+    assert _stored_tail() == "all done\n"
