@@ -103,7 +103,8 @@ class ProcessSpawner:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        except OSError:
+        except (OSError, ValueError):
+            # ValueError: what exec refuses before trying (a NUL in argv or env).
             output.close()
             raise
         return LocalProcess(popen, output)

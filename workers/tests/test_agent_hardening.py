@@ -259,3 +259,24 @@ def test_the_cli_refuses_plain_http_to_a_remote_host(tmp_path: Any) -> None:
     credential.write_text("c" * 43)
     code = main(["--url", "http://control.example.org", "--credential-file", str(credential)])
     assert code == 2
+
+
+def test_a_spec_exec_refuses_outright_ends_start_failed_instead_of_killing_the_thread(
+    tmp_path: Any,
+) -> None:
+    # Popen raises ValueError (not OSError) for a NUL in argv; the control
+    # plane refuses such a spec, but the agent must still report, not crash.
+    spec = a_spec(command=["echo", "a\x00b"])
+    transport = ScriptedTransport({})
+    runner = AttemptRunner(
+        transport=transport,
+        session_token="s" * 43,
+        offer=an_offer(spec),
+        lease_token=TOKEN,
+        spawn=ProcessSpawner(tmp_path),
+    )
+    outcome = runner.run()
+    [done] = _terminal_calls(transport)
+    assert (done["phase"], done["error_code"]) == ("start_failed", "spawn_failed")
+    assert done["output_tail"] == "ValueError"
+    assert (outcome.ran, outcome.stopped) == (False, "spawn_failed")
