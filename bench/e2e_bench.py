@@ -1,7 +1,7 @@
 """End-to-end throughput on PostgreSQL, beside Procrastinate in the same run.
 
     .venv/bin/pip install -r bench/requirements.txt   # once: the peer (bench only)
-    .venv/bin/python bench/e2e_bench.py               # about 2 minutes
+    .venv/bin/python bench/e2e_bench.py               # 1.5 to 3 minutes
 
 On the server of BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/postgres)
 it creates throw-away databases (`ql_bench_e2e`, `ql_bench_micro`,
@@ -97,7 +97,9 @@ def _free_port() -> int:
 
 def django_env(base: str, db: str, *, log_level: str) -> dict[str, str]:
     """The production settings (qinglong.settings), DEBUG off, for one database."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QL_", "DJANGO_"))}
+    # QL_* from the caller's environment pass through (printed with the
+    # figures); the bench's own settings below win.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
     env.update(
         {
             "DJANGO_SETTINGS_MODULE": "qinglong.settings",
@@ -480,51 +482,18 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
     # Everything comes up idle, then dispatch is resumed: the clock measures
     # the drain, not process start-up.
     dispatch_set_paused(paused=True, reason="bench start", actor="bench")
+    python = [sys.executable]
     if args.celery:
-        procs.start(
-            "celery-worker",
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "qinglong",
-                "worker",
-                "--loglevel",
-                "WARNING",
-                "--concurrency",
-                "1",
-                "--without-gossip",
-                "--without-mingle",
-                "--hostname",
-                f"bench-{os.getpid()}@%h",
-            ],
-            env,
-        )
-        procs.start(
-            "celery-beat",
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "qinglong",
-                "beat",
-                "--loglevel",
-                "WARNING",
-                "--schedule",
-                str(logdir / "celerybeat-schedule"),
-            ],
-            env,
-        )
+        celery = [*python, "-m", "celery", "-A", "qinglong"]
+        quiet = ["--loglevel", "WARNING"]
+        worker = [*celery, "worker", *quiet, "--concurrency", "1", "--without-gossip"]
+        worker += ["--without-mingle", "--hostname", f"bench-{os.getpid()}@%h"]
+        procs.start("celery-worker", worker, env)
+        schedule = str(logdir / "celerybeat-schedule")
+        procs.start("celery-beat", [*celery, "beat", *quiet, "--schedule", schedule], env)
     else:
-        command = [
-            sys.executable,
-            "manage.py",
-            "run_dispatcher",
-            "--interval",
-            str(args.dispatcher_interval),
-        ]
+        command = [*python, "manage.py", "run_dispatcher"]
+        command += ["--interval", str(args.dispatcher_interval)]
         if args.long_poll:
             command += ["--notify", "redis"]
         procs.start("dispatcher", command, env)
@@ -532,21 +501,9 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
     for index in range(args.agents):
         credential = logdir / f"agent{index}.credential"
         _enroll(f"bench-agent-{index}", args.slots, credential)
-        command = [
-            sys.executable,
-            "-m",
-            "workers.agent",
-            "--url",
-            f"http://127.0.0.1:{port}",
-            "--credential-file",
-            str(credential),
-            "--slots",
-            str(args.slots),
-            "--poll-interval",
-            str(args.poll_interval),
-            "--workdir",
-            str(logdir),
-        ]
+        command = [*python, "-m", "workers.agent", "--url", f"http://127.0.0.1:{port}"]
+        command += ["--credential-file", str(credential), "--slots", str(args.slots)]
+        command += ["--poll-interval", str(args.poll_interval), "--workdir", str(logdir)]
         if args.long_poll:
             command += ["--long-poll", str(args.long_poll)]
         procs.start(f"agent{index}", command, agent_env)
@@ -650,6 +607,11 @@ def child_peer(url: str, jobs: int, micro_jobs: int, concurrencies: list[int]) -
     async def main() -> None:
         async with app.open_async():
             await app.schema_manager.apply_schema_async()
+            # Untimed warm-up: connections, plans, imports.
+            await task.batch_defer_async(*({} for _ in range(100)))
+            await app.run_worker_async(
+                wait=False, install_signal_handlers=False, listen_notify=False
+            )
             for concurrency in concurrencies:
                 _peer_reset(url)
                 await task.batch_defer_async(*({} for _ in range(jobs)))
@@ -813,7 +775,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--runs", type=int, default=1000, help="Runs enqueued and drained end to end")
+    add("--runs", type=int, default=600, help="Runs enqueued and drained end to end")
     add("--agents", type=int, default=2, help="reference agents (one Worker each)")
     add("--slots", type=int, default=8, help="slots per agent")
     add("--poll-interval", type=float, default=0.05, help="agent --poll-interval (s)")
@@ -842,6 +804,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _caller_env() -> str:
+    """QL_* settings the caller exported (they change what is measured)."""
+    secret = re.compile("SECRET|TOKEN|KEY|PASSWORD|URL")
+    return " ".join(
+        f"{k}={'<set>' if secret.search(k) else v}"
+        for k, v in sorted(os.environ.items())
+        if k.startswith("QL_")
+    )
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
@@ -874,6 +846,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"pull throttle {args.pull_throttle}, "
             f"DB_CONN_MAX_AGE={os.environ.get('DB_CONN_MAX_AGE', '0 (default)')}, "
             f"LOG_LEVEL={args.log_level}"
+            + (f"; from the environment: {_caller_env()}" if _caller_env() else "")
         )
         out(
             f"\n  enqueue  POST /api/v1/runs, one Run per request, {enq['threads']} threads: "
