@@ -3,6 +3,17 @@
 ADR §2 steps 6-7: a new claim's Placement must require the candidate's executor
 type (added when absent, rejected when conflicting), and Workers are ranked by
 the score of the preferred terms they match.
+
+Labels (the one rule, used by Worker enrollment, Session open and every Task
+placement term) are ASCII, in the spirit of Kubernetes label syntax:
+
+- key: `[a-z0-9][a-z0-9._/-]{0,62}` (1-63 characters, lowercase);
+- value: `[A-Za-z0-9._-]{0,63}` (0-63 characters);
+- at most 32 labels per map.
+
+Matching is exact string equality, so a confusable character (a Cyrillic
+"\u0430" for a Latin "a") in a required label would make a Run unplaceable forever;
+ASCII-only values make that impossible to enter.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from dispatch.core.errors import PlacementError
 
 __all__ = [
     "LABEL_KEY_RE",
+    "LABEL_VALUE_RE",
     "MAX_LABELS",
     "MAX_LABEL_VALUE_CHARS",
     "MAX_PREFERRED_TERMS",
@@ -29,13 +41,16 @@ __all__ = [
     "validate_placement",
 ]
 
+# Checked with fullmatch; the `^…$` form is what error messages and docs show.
 LABEL_KEY_RE: Final = r"^[a-z0-9]([a-z0-9._/-]{0,62})$"
+LABEL_VALUE_RE: Final = r"^[A-Za-z0-9._-]{0,63}$"
 MAX_LABELS: Final = 32
 MAX_LABEL_VALUE_CHARS: Final = 63
 MAX_PREFERRED_TERMS: Final = 16
 MAX_WEIGHT: Final = 1000
 
 _LABEL_KEY = re.compile(LABEL_KEY_RE)
+_LABEL_VALUE = re.compile(LABEL_VALUE_RE)
 _PLACEMENT_KEYS: Final = frozenset({"executor_type", "required_labels", "preferred"})
 _TERM_KEYS: Final = frozenset({"labels", "weight"})
 
@@ -71,10 +86,14 @@ def validate_labels(value: object, *, field: str) -> dict[str, str]:
     labels: dict[str, str] = {}
     for key, label_value in value.items():
         if not isinstance(key, str) or _LABEL_KEY.fullmatch(key) is None:
-            raise PlacementError(field, "label keys must match ^[a-z0-9]([a-z0-9._/-]{0,62})$")
-        labels[key] = require_str(
+            raise PlacementError(field, f"label keys must match {LABEL_KEY_RE}")
+        text = require_str(
             label_value, field=field, max_chars=MAX_LABEL_VALUE_CHARS, error=PlacementError
         )
+        # Never the value in the message: name the rule (ASCII letters, digits, . _ -).
+        if _LABEL_VALUE.fullmatch(text) is None:
+            raise PlacementError(field, f"label values must match {LABEL_VALUE_RE}")
+        labels[key] = text
     return labels
 
 

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dispatch.core.errors import PlacementError
 from dispatch.core.placement import (
+    LABEL_KEY_RE,
+    LABEL_VALUE_RE,
     Placement,
     PreferredTerm,
     normalize_placement,
@@ -51,6 +55,47 @@ def test_malformed_placement_names_the_field(raw: object, field: str) -> None:
     with pytest.raises(PlacementError) as err:
         validate_placement(raw)
     assert err.value.field == field
+
+
+CYRILLIC_A = "\u0430"  # looks exactly like the Latin "a"
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {"zone": CYRILLIC_A},  # the issue: a required label no Worker can ever match
+        {"zone": f"eu-west-{CYRILLIC_A}"},
+        {f"zone{CYRILLIC_A}": "a"},
+        {"zone": "\uff41"},  # a fullwidth "a"
+        {"zone": "a\n"},  # `$` alone matched before a trailing newline
+        {"zone\n": "a"},
+        {"zone": "a b"},
+        {"zone": "a/b"},
+        {"zone": "a:b"},
+        {"zone": "\u00e9"},
+    ],
+)
+def test_labels_are_ascii_by_the_documented_rule(labels: dict[str, str]) -> None:
+    for field, raw in (
+        ("labels", labels),
+        ("placement.required_labels", {"required_labels": labels}),
+        ("placement.preferred[0].labels", {"preferred": [{"labels": labels, "weight": 1}]}),
+    ):
+        with pytest.raises(PlacementError) as err:
+            if field == "labels":
+                validate_labels(raw, field=field)
+            else:
+                validate_placement(raw)
+        assert err.value.field == field
+        # The rule is named; the value never is.
+        assert (LABEL_VALUE_RE in err.value.message) or (LABEL_KEY_RE in err.value.message)
+        assert CYRILLIC_A not in str(err.value)
+
+
+def test_label_values_may_use_the_whole_documented_set() -> None:
+    labels = {"zone": "", "arch": "arm64", "pool": "A-b_c.9", "long": "x" * 63}
+    assert validate_labels(labels, field="labels") == labels
+    assert re.fullmatch(LABEL_VALUE_RE, "eu-West_1.a")
 
 
 def test_label_error_does_not_echo_key_or_value() -> None:
