@@ -1,29 +1,51 @@
 """Building blocks shared by the Worker and the operator APIs.
 
-- `CappedJSONParser`: reads at most the view's byte cap, then parses strictly
-  (no NaN/Infinity, no duplicate keys: two readers must never disagree on what
-  a body says).
+- `CappedJSONParser`: reads at most the view's byte cap, refuses nesting deeper
+  than `MAX_JSON_DEPTH` before parsing (a recursive parser must never hit
+  Python's recursion limit: that was a 500), then parses strictly (no
+  NaN/Infinity, no duplicate keys: two readers must never disagree on what a
+  body says).
 - `ApiView`: refuses a body without Content-Length (411) and checks
   Content-Length against the cap before anything else; every response is
   `Cache-Control: no-store`.
 - `StrictSerializer` and strict fields: unknown fields are a 400 (DESIGN §4,
   "never silently applied"), and values are never coerced ("5" is not 5).
+- `FullMatchRegexValidator` and `QueryIntegerField`: a pattern must match the
+  whole value (`$` alone also matches before a trailing newline) and a number
+  in a query string is ASCII digits only (`str.isdigit` and `int` also take
+  "²" or "٣").
 """
 
 from __future__ import annotations
 
 import json
+import operator
+import re
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from itertools import accumulate, count
+from typing import Any, ClassVar, cast
 
 from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import RegexValidator
 from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail, ParseError, ValidationError
 from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from qinglong.api_errors import LengthRequired, PayloadTooLarge, no_store
+from qinglong.api_errors import (
+    InvalidContentLength,
+    LengthRequired,
+    NestingTooDeep,
+    PayloadTooLarge,
+    no_store,
+)
+
+# Deepest array/object nesting any API body may have. Ours need 4 (a task
+# definition's placement terms); the limit keeps every recursive reader (the
+# JSON parser, serializers, validators, jsonb) far from the recursion limit.
+MAX_JSON_DEPTH = 32
 
 
 def operator_body_limit() -> int:
@@ -43,6 +65,30 @@ def _reject_constant(name: str) -> Any:
     raise ValueError("NaN and Infinity are not JSON")
 
 
+# A JSON string, or an unterminated one up to the end (possessive: no
+# backtracking, so the scan stays linear however many quotes a body holds).
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]++")
+# Opening brackets step +1, closing ones -1 (as 2 and 0: bytes are unsigned).
+_BRACKET_STEPS = str.maketrans({"[": "\x02", "{": "\x02", "]": "\x00", "}": "\x00"})
+
+
+def json_nesting_exceeds(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `text` nests arrays/objects deeper than `limit`, without parsing it.
+
+    Brackets inside strings do not count. Linear and C-speed (regex, translate,
+    accumulate): a body of 80 KiB of `[` is refused in milliseconds instead of
+    driving `json.loads` into RecursionError.
+    """
+    if text.count("[") + text.count("{") <= limit:
+        return False  # the usual body: nothing to scan
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    steps = brackets.translate(_BRACKET_STEPS).encode("ascii")
+    # Depth after the i-th bracket = (sum of steps) - i.
+    depth = max(map(operator.sub, accumulate(steps), count(1)), default=0)
+    return depth > limit
+
+
 class CappedJSONParser(JSONParser):
     """JSON parser that never reads more than the view's `max_body_bytes` (+1)."""
 
@@ -60,11 +106,21 @@ class CappedJSONParser(JSONParser):
             raise PayloadTooLarge()
         try:
             text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ParseError() from None
+        if json_nesting_exceeds(text):
+            raise NestingTooDeep(MAX_JSON_DEPTH)
+        try:
             return json.loads(
                 text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
             )
-        except (UnicodeDecodeError, ValueError):
+        except ValueError:
             raise ParseError() from None
+        except RecursionError:  # pragma: no cover - the pre-scan refuses this first
+            raise NestingTooDeep(MAX_JSON_DEPTH) from None
+
+
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 
 
 class ApiView(APIView):
@@ -81,10 +137,10 @@ class ApiView(APIView):
             raise LengthRequired()
         limit = self.max_body_bytes or operator_body_limit()
         raw_length = request.META.get("CONTENT_LENGTH") or "0"
-        try:
-            length = int(raw_length)
-        except ValueError:
-            length = 0
+        # ASCII digits only: int() would also read " 12", "1_2" or "١٢".
+        if not isinstance(raw_length, str) or _CONTENT_LENGTH.fullmatch(raw_length) is None:
+            raise InvalidContentLength()
+        length = int(raw_length)
         # Refuse before reading a byte of an announced oversize body.
         if length > limit:
             raise PayloadTooLarge()
@@ -158,6 +214,43 @@ class StrictUUIDField(serializers.UUIDField):
         if not isinstance(data, str):
             self.fail("invalid", value="")
         return super().to_internal_value(data)
+
+
+class FullMatchRegexValidator(RegexValidator):
+    """A RegexValidator that requires the whole value to match.
+
+    Django's RegexValidator uses `search`, and `$` also matches just before a
+    trailing newline: `^[0-9a-f]{64}$` accepted a digest followed by "\\n".
+    The pattern keeps its `^…$` form for the OpenAPI schema (ECMA-262 has no
+    `\\Z`); the check here is `fullmatch`.
+    """
+
+    def __call__(self, value: Any) -> None:
+        regex = cast(re.Pattern[str], self.regex)  # compiled by RegexValidator
+        matched = regex.fullmatch(str(value)) is not None
+        if matched == self.inverse_match:
+            raise DjangoValidationError(self.message, code=self.code, params={"value": value})
+
+
+# At most 18 digits: every number we read from a query fits a 64-bit column.
+_QUERY_INT = re.compile(r"[0-9]{1,18}")
+
+
+def parse_query_int(raw: object) -> int | None:
+    """ASCII decimal digits → int; anything else (signs, spaces, "²", "٣") → None."""
+    if isinstance(raw, str) and _QUERY_INT.fullmatch(raw):
+        return int(raw)
+    return None
+
+
+class QueryIntegerField(serializers.IntegerField):
+    """An integer query parameter: ASCII digits only, never "1.0", " 1" or "\\u0661"."""
+
+    def to_internal_value(self, data: Any) -> int:
+        value = parse_query_int(data)
+        if value is None:
+            self.fail("invalid")
+        return value
 
 
 class StrictChoiceField(serializers.ChoiceField):

@@ -64,6 +64,30 @@ class PayloadTooLarge(ApiError):
         )
 
 
+class NestingTooDeep(ApiError):
+    """A body nesting arrays/objects deeper than the APIs allow.
+
+    Refused before parsing: 40 KB of `[` used to drive the JSON parser into
+    RecursionError, a 500.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            status_code=status.HTTP_400_BAD_REQUEST,
+            code="nesting_too_deep",
+            message=f"the request body nests arrays/objects deeper than {limit} levels",
+        )
+
+
+class InvalidContentLength(ApiError):
+    def __init__(self) -> None:
+        super().__init__(
+            status_code=status.HTTP_400_BAD_REQUEST,
+            code="invalid_content_length",
+            message="Content-Length must be a decimal number of bytes",
+        )
+
+
 def envelope(code: str, message: str) -> dict[str, dict[str, str]]:
     return {"error": {"code": code, "message": message}}
 
@@ -145,6 +169,9 @@ _AUTH_MESSAGES: Mapping[str, str] = {
     "invalid_session_token": "the session token is not valid",
     "session_replaced": "this session was replaced by a newer session of the worker",
     "session_offline": "this session is offline; open a new session",
+    "credential_rotated": (
+        "the worker credential was rotated; open a new session with the new credential"
+    ),
     "worker_disabled": "the worker is disabled",
     "authentication_failed": "authentication failed",
     "not_authenticated": "authentication credentials are missing",

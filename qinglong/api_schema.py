@@ -8,10 +8,12 @@ from typing import Any
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 
-from qinglong.api_common import ErrorEnvelopeSerializer
+from qinglong.api_common import MAX_JSON_DEPTH, ErrorEnvelopeSerializer
 
 _DESCRIPTIONS = {
-    400: "Invalid request (`invalid_request`, `unknown_field`, `malformed_json`, …).",
+    400: "Invalid request (`invalid_request`, `unknown_field`, `malformed_json`, "
+    f"`nesting_too_deep` (arrays/objects nested deeper than {MAX_JSON_DEPTH} levels), "
+    "`invalid_content_length`, …).",
     401: "Missing or invalid credentials.",
     403: "Authenticated but not allowed (`forbidden`; operator API: `permission_denied` "
     "when a staff user lacks the model permission the operation lists).",
@@ -19,7 +21,9 @@ _DESCRIPTIONS = {
     405: "Method not allowed.",
     409: "Conflict with the current state.",
     411: "A body without `Content-Length` (e.g. `Transfer-Encoding: chunked`): `length_required`.",
-    413: "Request body too large (`payload_too_large`).",
+    413: "Request body too large (`payload_too_large`): over 80 KiB on the Worker API, over "
+    "`DATA_UPLOAD_MAX_MEMORY_SIZE` (256 KiB by default) on the operator API; refused from "
+    "`Content-Length` before the body is read.",
     415: "Request body must be `application/json`.",
     429: "Throttled (`throttled`); see `Retry-After`.",
     503: "Database unavailable (`database_unavailable`); see `Retry-After`.",
@@ -92,6 +96,8 @@ PROTOCOL = """
 2. `POST /api/v1/worker/sessions` with `Authorization: Bearer <credential>` opens a Session
    and returns a `session_token` (shown once). A new Session fences every earlier one:
    their tokens get `401 session_replaced` and their unstarted leases go back to the queue.
+   Rotating the credential fences every Session the same way (`401 credential_rotated`:
+   open a new Session with the new credential).
 3. Every other Worker call sends `Authorization: Bearer <session_token>`.
    `POST /api/v1/worker/heartbeat` every `heartbeat_interval_s`; stop every offer id it
    lists in `cancel`.

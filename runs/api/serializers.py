@@ -8,20 +8,26 @@ spec, command, env, cwd or token ever appears here.
 
 from __future__ import annotations
 
-from django.core.validators import RegexValidator
 from rest_framework import serializers
 
+from dispatch.core.placement import LABEL_KEY_RE, LABEL_VALUE_RE
 from dispatch.core.spec import ENV_KEY_RE, EXECUTOR_TYPE_RE
 from dispatch.models import LeaseSource, LeaseState
-from qinglong.api_common import StrictCharField, StrictIntegerField, StrictSerializer
+from qinglong.api_common import (
+    FullMatchRegexValidator,
+    StrictCharField,
+    StrictIntegerField,
+    StrictSerializer,
+)
 from runs.models import AttemptState, RunState
 
+# `^…$` for the OpenAPI schema; checked with fullmatch (no trailing newline).
 SLUG_RE = r"^[-a-zA-Z0-9_]+$"
 _PG_INT_MAX = 2**31 - 1
 
 
 class ProjectCreateRequestSerializer(StrictSerializer):
-    slug = StrictCharField(max_length=64, validators=[RegexValidator(SLUG_RE)])
+    slug = StrictCharField(max_length=64, validators=[FullMatchRegexValidator(SLUG_RE)])
     name = StrictCharField(max_length=200)
     max_concurrent_runs = StrictIntegerField(
         min_value=0, max_value=_PG_INT_MAX, required=False, help_text="0 = no limit."
@@ -49,15 +55,27 @@ class ResourcesRequestSerializer(serializers.Serializer):
     memory_mb = serializers.IntegerField(min_value=0, max_value=10_000_000, required=False)
 
 
+_LABELS_HELP = (
+    f"Label keys match `{LABEL_KEY_RE}`; values match `{LABEL_VALUE_RE}` (ASCII only, "
+    "so a look-alike character cannot make a Run unplaceable)."
+)
+
+
+def _label_values() -> serializers.CharField:
+    return serializers.CharField(
+        max_length=63, allow_blank=True, validators=[FullMatchRegexValidator(LABEL_VALUE_RE)]
+    )
+
+
 class PreferredTermRequestSerializer(serializers.Serializer):
-    labels = serializers.DictField(child=serializers.CharField(max_length=63))
+    labels = serializers.DictField(child=_label_values(), help_text=_LABELS_HELP)
     weight = serializers.IntegerField(min_value=1, max_value=1000)
 
 
 class PlacementRequestSerializer(serializers.Serializer):
     executor_type = serializers.CharField(required=False, allow_null=True)
     required_labels = serializers.DictField(
-        child=serializers.CharField(max_length=63), required=False, allow_null=True
+        child=_label_values(), required=False, allow_null=True, help_text=_LABELS_HELP
     )
     # max_length on a many=True serializer is DRF >= 3.15; the stubs lag behind.
     preferred = PreferredTermRequestSerializer(  # type: ignore[call-arg]
@@ -67,7 +85,7 @@ class PlacementRequestSerializer(serializers.Serializer):
 
 class _DefinitionFields(serializers.Serializer):
     executor_type = serializers.CharField(
-        max_length=32, validators=[RegexValidator(EXECUTOR_TYPE_RE)]
+        max_length=32, validators=[FullMatchRegexValidator(EXECUTOR_TYPE_RE)]
     )
     command = serializers.ListField(
         child=serializers.CharField(max_length=4096, allow_blank=True),

@@ -22,12 +22,20 @@ from rest_framework.exceptions import ErrorDetail, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from qinglong.api_common import ApiView, StrictSerializer, validated
+from qinglong.api_common import (
+    ApiView,
+    FullMatchRegexValidator,
+    QueryIntegerField,
+    StrictCharField,
+    StrictSerializer,
+    validated,
+)
 from qinglong.api_errors import ApiError, safe_field_name
 from qinglong.api_schema import error_responses, retry_after
 from runs.api.permissions import OperatorPermission, permissions_doc
 from runs.api.selectors import MAX_PAGE, project_json, project_page, run_detail, run_page
 from runs.api.serializers import (
+    SLUG_RE,
     ProjectCreateRequestSerializer,
     ProjectPageSerializer,
     ProjectSerializer,
@@ -146,9 +154,19 @@ class OperatorApiView(ApiView):
 # ------------------------------------------------------------------- projects
 
 
+# Query numbers are ASCII digits only (QueryIntegerField) and patterns must
+# match the whole value (FullMatchRegexValidator): "5\n", "²" or "٣" are 400s.
+RUN_ID_RE = r"^[0-9]{1,18}$"
+
+
 class ProjectListQuerySerializer(StrictSerializer):
-    cursor = serializers.CharField(required=False, max_length=64)
-    limit = serializers.IntegerField(required=False, min_value=1, max_value=MAX_PAGE, default=50)
+    cursor = StrictCharField(
+        required=False,
+        max_length=64,
+        validators=[FullMatchRegexValidator(SLUG_RE)],
+        help_text="`next_cursor` of the previous page.",
+    )
+    limit = QueryIntegerField(required=False, min_value=1, max_value=MAX_PAGE, default=50)
 
 
 class ProjectsView(OperatorApiView):
@@ -246,10 +264,12 @@ class TaskView(OperatorApiView):
 
 class RunListQuerySerializer(StrictSerializer):
     state = serializers.ChoiceField(choices=RunState.choices, required=False)
-    cursor = serializers.RegexField(
-        r"^[0-9]{1,18}$", required=False, help_text="`next_cursor` of the previous page."
+    cursor = StrictCharField(
+        required=False,
+        validators=[FullMatchRegexValidator(RUN_ID_RE)],
+        help_text="`next_cursor` of the previous page.",
     )
-    limit = serializers.IntegerField(required=False, min_value=1, max_value=MAX_PAGE, default=50)
+    limit = QueryIntegerField(required=False, min_value=1, max_value=MAX_PAGE, default=50)
 
 
 class RunsView(OperatorApiView):
@@ -299,7 +319,7 @@ class RunsView(OperatorApiView):
 
 
 _RUN_ID = OpenApiParameter(
-    "run_id", OpenApiTypes.STR, location=OpenApiParameter.PATH, pattern=r"^[0-9]{1,18}$"
+    "run_id", OpenApiTypes.STR, location=OpenApiParameter.PATH, pattern=RUN_ID_RE
 )
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.validators import ProhibitNullCharactersValidator, RegexValidator
+from django.core.validators import ProhibitNullCharactersValidator
 from rest_framework import serializers
 from rest_framework.validators import ProhibitSurrogateCharactersValidator
 
+from dispatch.core.placement import LABEL_KEY_RE, LABEL_VALUE_RE
 from dispatch.core.result import CycleReason, CycleStatus
 from dispatch.services import AckPhase
 from qinglong.api_common import (
+    FullMatchRegexValidator,
     StrictBooleanField,
     StrictCharField,
     StrictChoiceField,
@@ -34,7 +36,9 @@ from workers.models import SessionState
 from workers.services import MAX_EXECUTOR_TYPES, MAX_SLOTS
 
 # ADR-0108: a fresh high-entropy token chosen by the Worker, base64url
-# (32 random bytes encode to 43 characters).
+# (32 random bytes encode to 43 characters). `^…$` is for the OpenAPI schema
+# (ECMA-262); values are checked with fullmatch (FullMatchRegexValidator), so
+# a trailing newline is refused.
 LEASE_TOKEN_RE = r"^[A-Za-z0-9_-]{43,128}$"
 SPEC_SHA256_RE = r"^[0-9a-f]{64}$"
 OFFER_ID_RE = r"^[0-9a-f]{64}$"
@@ -46,7 +50,7 @@ def lease_token_field(**kwargs: Any) -> StrictCharField:
     return StrictCharField(
         min_length=43,
         max_length=128,
-        validators=[RegexValidator(LEASE_TOKEN_RE)],
+        validators=[FullMatchRegexValidator(LEASE_TOKEN_RE)],
         help_text="base64url, 43 to 128 characters.",
         **kwargs,
     )
@@ -65,7 +69,9 @@ class SessionOpenRequestSerializer(StrictSerializer):
     labels = serializers.DictField(
         child=StrictCharField(max_length=63),
         required=False,
-        help_text="Labels advertised by this Session (merged over the enrolled labels).",
+        help_text="Labels advertised by this Session (merged over the enrolled labels). "
+        f"ASCII only: keys match `{LABEL_KEY_RE}`, values `{LABEL_VALUE_RE}` "
+        "(dispatch.core.placement).",
     )
     slots = StrictIntegerField(
         min_value=1, max_value=MAX_SLOTS, help_text="Capped by the enrolled slot count."
@@ -220,7 +226,7 @@ _TERMINAL_PHASES = _PHASES_WITH_EXIT_CODE
 class AckRequestSerializer(StrictSerializer):
     phase = StrictChoiceField(choices=[p.value for p in AckPhase])
     lease_token = lease_token_field()
-    spec_sha256 = StrictCharField(validators=[RegexValidator(SPEC_SHA256_RE)])
+    spec_sha256 = StrictCharField(validators=[FullMatchRegexValidator(SPEC_SHA256_RE)])
     executor_handle = StrictCharField(
         min_length=1, max_length=200, required=False, help_text="Required for `running`."
     )

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 import workers.api.schema  # noqa: F401  (registers the OpenAPI security schemes)
 from dispatch.core.ports import to_rfc3339
 from dispatch.services import AckPhase, LeaseError, lease_ack
-from qinglong.api_common import ApiView, unknown_field_error, validated
+from qinglong.api_common import ApiView, parse_query_int, unknown_field_error, validated
 from qinglong.api_errors import ApiError, safe_field_name
 from qinglong.api_schema import error_responses, retry_after
 from workers.api.authentication import (
@@ -170,14 +170,15 @@ def _wait_s(request: Request) -> int:
         raise ApiError(
             status_code=400, code="invalid_request", message="wait_s: given more than once"
         )
-    raw = params.get("wait_s", "0")
-    if not raw.isdigit() or int(raw) > MAX_PULL_WAIT_S:
+    # ASCII digits only: str.isdigit() takes "²", which int() then refused (a 500).
+    wait = parse_query_int(params.get("wait_s", "0"))
+    if wait is None or wait > MAX_PULL_WAIT_S:
         raise ApiError(
             status_code=400,
             code="invalid_request",
             message=f"wait_s: must be an integer from 0 to {MAX_PULL_WAIT_S}",
         )
-    return int(raw)
+    return wait
 
 
 class PullView(WorkerApiView):
@@ -201,7 +202,7 @@ class PullView(WorkerApiView):
         parameters=[
             OpenApiParameter(
                 "wait_s",
-                int,
+                {"type": "integer", "minimum": 0, "maximum": MAX_PULL_WAIT_S, "default": 0},
                 location=OpenApiParameter.QUERY,
                 required=False,
                 description=(
