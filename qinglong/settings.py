@@ -264,6 +264,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "qinglong.api_schema.close_request_bodies",
+        "workers.api.schema.ack_request_per_phase",
         "qinglong.api_schema.describe_protocol",
     ],
 }

@@ -219,8 +219,19 @@ class OutputTailField(StrictCharField):
         return clean_output_tail(value)
 
 
-_PHASES_WITH_EXIT_CODE = frozenset({AckPhase.SUCCEEDED, AckPhase.FAILED, AckPhase.START_FAILED})
-_TERMINAL_PHASES = _PHASES_WITH_EXIT_CODE
+_TERMINAL_EXTRAS = frozenset({"error_code", "output_tail"})
+# The ACK's cross-field rules: phase → (fields it requires, fields it may carry)
+# beyond phase, lease_token and spec_sha256. `validate` enforces exactly this
+# table and the OpenAPI schema is built from it (one `oneOf` branch per phase,
+# `workers.api.schema.ack_request_per_phase`), so the two cannot drift.
+ACK_PHASE_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    AckPhase.STARTING: (frozenset(), frozenset()),
+    AckPhase.RUNNING: (frozenset({"executor_handle"}), frozenset()),
+    AckPhase.SUCCEEDED: (frozenset({"exit_code"}), _TERMINAL_EXTRAS),
+    AckPhase.FAILED: (frozenset({"exit_code"}), _TERMINAL_EXTRAS),
+    AckPhase.START_FAILED: (frozenset(), frozenset({"exit_code"}) | _TERMINAL_EXTRAS),
+}
+ACK_PHASE_DEPENDENT_FIELDS = ("executor_handle", "exit_code", "error_code", "output_tail")
 
 
 class AckRequestSerializer(StrictSerializer):
@@ -260,16 +271,11 @@ class AckRequestSerializer(StrictSerializer):
         def fail(name: str, code: str) -> None:
             errors[name] = [serializers.ErrorDetail(code, code=code)]
 
-        if phase is AckPhase.RUNNING and "executor_handle" not in attrs:
-            fail("executor_handle", "required")
-        if phase is not AckPhase.RUNNING and "executor_handle" in attrs:
-            fail("executor_handle", "not_allowed_for_phase")
-        if phase in (AckPhase.SUCCEEDED, AckPhase.FAILED) and "exit_code" not in attrs:
-            fail("exit_code", "required")
-        if phase not in _PHASES_WITH_EXIT_CODE and "exit_code" in attrs:
-            fail("exit_code", "not_allowed_for_phase")
-        for name in ("error_code", "output_tail"):
-            if phase not in _TERMINAL_PHASES and name in attrs:
+        required, optional = ACK_PHASE_FIELDS[phase]
+        for name in ACK_PHASE_DEPENDENT_FIELDS:
+            if name in required and name not in attrs:
+                fail(name, "required")
+            elif name in attrs and name not in required | optional:
                 fail(name, "not_allowed_for_phase")
         if errors:
             raise serializers.ValidationError(errors)
