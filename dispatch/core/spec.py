@@ -39,6 +39,8 @@ __all__ = [
     "MAX_ENV_VALUE_CHARS",
     "MAX_ID_CHARS",
     "MAX_MEMORY_MB",
+    "MAX_SPEC_BYTES",
+    "MAX_SPEC_PAYLOAD_BYTES",
     "MAX_TIMEOUT_S",
     "SPEC_FIELDS",
     "SPEC_VERSION",
@@ -66,6 +68,13 @@ MAX_COMMAND_TOTAL_CHARS: Final = 32768
 MAX_ENV_ITEMS: Final = 128
 MAX_ENV_VALUE_CHARS: Final = 32768
 MAX_CWD_CHARS: Final = 1024
+# command + cwd + env together, as canonical JSON (UTF-8, control characters as
+# 6-byte escapes): what a spec costs on the wire. The per-field limits alone
+# allow 128 env values of 32768 characters (over 4 MiB); this bounds every
+# spec, so a pull response can be bounded by construction (workers.api). Equal
+# to the operator API's default body cap: any definition that body could hold
+# fits, because canonical JSON is never longer than the JSON it was read from.
+MAX_SPEC_PAYLOAD_BYTES: Final = 256 * 1024
 MAX_TIMEOUT_S: Final = 604800
 MAX_ATTEMPTS_LIMIT: Final = 100
 MAX_CPU_MILLIS: Final = 1_000_000
@@ -257,11 +266,15 @@ def validate_task_definition(raw: Mapping[str, object]) -> TaskDefinition:
             raise SpecError(required, "is required")
     executor_type = validate_executor_type(raw["executor_type"])
     placement = normalize_placement(validate_placement(raw.get("placement")), executor_type)
+    command = validate_command(raw["command"])
+    cwd = validate_cwd(raw.get("cwd"))
+    env = validate_env(raw.get("env", {}))
+    validate_payload_size(command=command, cwd=cwd, env=env, field="definition")
     return TaskDefinition(
         executor_type=executor_type,
-        command=tuple(validate_command(raw["command"])),
-        cwd=validate_cwd(raw.get("cwd")),
-        env=validate_env(raw.get("env", {})),
+        command=tuple(command),
+        cwd=cwd,
+        env=env,
         timeout_s=validate_timeout_s(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
         resources=validate_resources(raw.get("resources")),
         placement=placement,
@@ -319,6 +332,7 @@ def validate_spec(raw: Mapping[str, object]) -> dict[str, object]:
     spec["command"] = validate_command(raw["command"])
     spec["cwd"] = validate_cwd(raw["cwd"])
     spec["env"] = validate_env(raw["env"])
+    validate_payload_size(command=spec["command"], cwd=spec["cwd"], env=spec["env"], field="spec")
     spec["timeout_s"] = validate_timeout_s(raw["timeout_s"])
     if raw["resources"] is None:
         raise SpecError("resources", "is required")
@@ -344,6 +358,40 @@ def canonical_json(spec: Mapping[str, object]) -> bytes:
 
 def spec_sha256(spec: Mapping[str, object]) -> str:
     return hashlib.sha256(canonical_json(spec)).hexdigest()
+
+
+def validate_payload_size(*, command: object, cwd: object, env: object, field: str) -> None:
+    """command + cwd + env within `MAX_SPEC_PAYLOAD_BYTES` of canonical JSON."""
+    size = len(canonical_json({"command": command, "cwd": cwd, "env": env}))
+    if size > MAX_SPEC_PAYLOAD_BYTES:
+        raise SpecError(
+            field,
+            f"command, cwd and env must total at most {MAX_SPEC_PAYLOAD_BYTES} bytes "
+            "of JSON (UTF-8)",
+        )
+
+
+def _max_spec_bytes() -> int:
+    # Every field but the payload at its widest, plus the payload cap: an upper
+    # bound on len(canonical_json(spec)) of any valid spec.
+    widest_id = "9" * MAX_ID_CHARS
+    widest: dict[str, object] = {
+        "spec_version": SPEC_VERSION,
+        **{name: widest_id for name in ID_FIELDS},
+        "task_revision": 2**63 - 1,
+        "executor_type": "x" * 32,
+        "command": [],
+        "cwd": None,
+        "env": {},
+        "timeout_s": MAX_TIMEOUT_S,
+        "resources": dict(_RESOURCE_MAX),
+    }
+    return len(canonical_json(widest)) + MAX_SPEC_PAYLOAD_BYTES
+
+
+# The most bytes a valid spec's canonical JSON (and so its rendering in a pull
+# response, which escapes exactly as canonical_json does) can take.
+MAX_SPEC_BYTES: Final = _max_spec_bytes()
 
 
 def check_spec_identity(

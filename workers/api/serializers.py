@@ -16,6 +16,7 @@ from rest_framework.validators import ProhibitSurrogateCharactersValidator
 
 from dispatch.core.placement import LABEL_KEY_RE, LABEL_VALUE_RE
 from dispatch.core.result import CycleReason, CycleStatus
+from dispatch.core.spec import MAX_SPEC_BYTES
 from dispatch.services import AckPhase
 from qinglong.api_common import (
     FullMatchRegexValidator,
@@ -43,6 +44,22 @@ LEASE_TOKEN_RE = r"^[A-Za-z0-9_-]{43,128}$"
 SPEC_SHA256_RE = r"^[0-9a-f]{64}$"
 OFFER_ID_RE = r"^[0-9a-f]{64}$"
 MAX_OFFERS_PER_PULL = 16
+# A pull response is bounded by construction, never by luck: the reference
+# agent reads at most 4 MiB of a response (workers/agent/transport.py). An
+# offer is its spec (at most MAX_SPEC_BYTES: the response renders strings
+# exactly as canonical JSON does, qinglong.api_renderers) plus fields of fixed
+# width (ids, UUIDs, times, a lease token of at most 128 characters, the
+# digest), which MAX_OFFER_ENVELOPE_BYTES bounds with room to spare (tested).
+MAX_PULL_RESPONSE_BYTES = 4 * 1024 * 1024
+MAX_OFFER_ENVELOPE_BYTES = 1024
+_PULL_RESPONSE_ENVELOPE_BYTES = 256  # {"offers":[…],"status":…,"reason":…,"truncated":…}
+# Offers one response may carry whatever the specs hold (15 with the limits of
+# dispatch.core.spec); a larger `max_offers` is capped to it, like free slots.
+MAX_OFFERS_PER_RESPONSE = min(
+    MAX_OFFERS_PER_PULL,
+    (MAX_PULL_RESPONSE_BYTES - _PULL_RESPONSE_ENVELOPE_BYTES)
+    // (MAX_SPEC_BYTES + MAX_OFFER_ENVELOPE_BYTES),
+)
 _INT32 = 2**31
 
 
@@ -116,7 +133,13 @@ class PullRequestSerializer(StrictSerializer):
     )
     lease_token = lease_token_field()
     max_offers = StrictIntegerField(
-        min_value=1, max_value=MAX_OFFERS_PER_PULL, required=False, default=1
+        min_value=1,
+        max_value=MAX_OFFERS_PER_PULL,
+        required=False,
+        default=1,
+        help_text="Capped by the Session's free slots and by the response size budget: at "
+        f"most {MAX_OFFERS_PER_RESPONSE} offers per response (a response stays under "
+        f"{MAX_PULL_RESPONSE_BYTES // (1024 * 1024)} MiB whatever the specs hold).",
     )
 
 

@@ -29,6 +29,7 @@ from workers.api.authentication import (
 )
 from workers.api.pull import PullIdConflict, worker_pull
 from workers.api.serializers import (
+    MAX_OFFERS_PER_RESPONSE,
     OFFER_ID_RE,
     AckRequestSerializer,
     AckResponseSerializer,
@@ -194,7 +195,8 @@ class PullView(WorkerApiView):
             "(base64url, ≥ 43 chars) per pull. After a lost response, repeat the same "
             "`pull_id` with the same token: the same offers come back with the token "
             "echoed. The same `pull_id` with another token is `409 pull_id_conflict`. "
-            "`max_offers` is capped by the Session's free slots."
+            "`max_offers` is capped by the Session's free slots and by the response size "
+            f"budget ({MAX_OFFERS_PER_RESPONSE} offers per response)."
         ),
         tags=_TAG,
         request=PullRequestSerializer,
@@ -221,7 +223,8 @@ class PullView(WorkerApiView):
                 session=self.session(request),
                 pull_id=body["pull_id"],
                 lease_token=body["lease_token"],
-                max_offers=body.get("max_offers", 1),
+                # Response size budget: offers times the largest spec fit the agent's cap.
+                max_offers=min(body.get("max_offers", 1), MAX_OFFERS_PER_RESPONSE),
                 wait_s=_wait_s(request),
             )
         except PullIdConflict:
