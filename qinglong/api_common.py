@@ -42,8 +42,8 @@ from qinglong.api_errors import (
     no_store,
 )
 
-# Deepest array/object nesting any API body may have. Ours need 4 (a task
-# definition's placement terms); the limit keeps every recursive reader (the
+# Deepest array/object nesting any API body may have. Ours need 5 (a task
+# definition's placement.preferred[i].labels); the limit keeps every recursive reader (the
 # JSON parser, serializers, validators, jsonb) far from the recursion limit.
 MAX_JSON_DEPTH = 32
 
