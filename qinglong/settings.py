@@ -211,10 +211,28 @@ QINGLONG_LEASE_SECRET = env_str(
 )
 QINGLONG_HEARTBEAT_INTERVAL_S = env_int("QL_HEARTBEAT_INTERVAL_S", 10, minimum=1)
 QINGLONG_SESSION_TIMEOUT_S = env_int("QL_SESSION_TIMEOUT_S", 30, minimum=2)
+# A heartbeat sooner than this after the last recorded one of its Session is
+# answered without a write (workers.services.session_heartbeat): one Worker
+# beating in a loop must not slow every other Worker's heartbeats.
+QINGLONG_HEARTBEAT_MIN_INTERVAL_S = env_int(
+    "QL_HEARTBEAT_MIN_INTERVAL_S", QINGLONG_HEARTBEAT_INTERVAL_S // 2, minimum=0
+)
+if QINGLONG_HEARTBEAT_MIN_INTERVAL_S >= QINGLONG_HEARTBEAT_INTERVAL_S:
+    raise ImproperlyConfigured(
+        "QL_HEARTBEAT_MIN_INTERVAL_S must be less than QL_HEARTBEAT_INTERVAL_S."
+    )
+# Ended Sessions (offline, replaced) older than this are deleted by the
+# retention sweep unless a lease points at them (kept with the lease history).
+QINGLONG_SESSION_RETENTION_DAYS = env_int("QL_SESSION_RETENTION_DAYS", 7, minimum=1)
 # Long-poll pulls (cluster): a pull with ?wait_s=N waits up to this long for a
 # global cycle's offer announcement on Redis. 0 turns waiting off (the
 # embedded default has no Redis: Workers poll).
 QINGLONG_PULL_WAIT_MAX_S = env_int("QL_PULL_WAIT_MAX_S", 0, minimum=0)
+# At most this many pulls wait at once per web process (each holds a server
+# thread, never a database connection); beyond it a pull answers at once.
+# Keep it below the server's threads per process (gunicorn --threads) so
+# heartbeats and ACKs always find a free thread.
+QINGLONG_PULL_WAIT_MAX_WAITERS = env_int("QL_PULL_WAIT_MAX_WAITERS", 8, minimum=0)
 QINGLONG_NOTIFY_REDIS_URL = env_str("QL_NOTIFY_REDIS_URL", "")
 QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, minimum=60)
 

@@ -8,17 +8,21 @@ token is a 409 and runs no cycle at all.
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.db import connection
 
 from dispatch.core.offer import ClaimedExecutionOffer, token_digest, tokens_equal
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleReason, CycleStatus, DispatchCycleResult
 from dispatch.cycles import dispatch_cycle
 from dispatch.models import LeaseState, RunLease
-from dispatch.notify import offer_subscription
+from dispatch.notify import Wake, offer_subscription
 from runs.models import AttemptState
 from workers.models import WorkerSession
 
@@ -64,6 +68,44 @@ def session_free_slots(session: WorkerSession) -> int:
     return max(0, capacity - started)
 
 
+class _WaiterSlots:
+    """At most QL_PULL_WAIT_MAX_WAITERS pulls wait at once in this process.
+
+    A waiting pull holds a server thread (never a database connection); past
+    the bound a pull answers at once, so heartbeats and ACKs keep a thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waiting = 0
+
+    @contextmanager
+    def slot(self) -> Iterator[bool]:
+        with self._lock:
+            granted = self.waiting < int(settings.QINGLONG_PULL_WAIT_MAX_WAITERS)
+            if granted:
+                self.waiting += 1
+        try:
+            yield granted
+        finally:
+            if granted:
+                with self._lock:
+                    self.waiting -= 1
+
+
+waiter_slots = _WaiterSlots()
+
+
+def _release_database_connection() -> None:
+    """Give the connection back before waiting: a waiting pull holds none.
+
+    Django opens a new one on the next query (the cycle after the wake-up).
+    Inside an outer transaction (a test wrapping us) there is nothing to give.
+    """
+    if not connection.in_atomic_block:
+        connection.close()
+
+
 def worker_pull(
     *,
     session: WorkerSession,
@@ -74,11 +116,14 @@ def worker_pull(
 ) -> PullResult:
     """One session-scope cycle; with `wait_s`, a long poll (cluster, DESIGN §3).
 
-    A long poll subscribes to the Session's offer channel before its first
-    cycle (so no announcement falls between the two), and when that cycle
-    finds nothing waits up to min(wait_s, QL_PULL_WAIT_MAX_S) for the global
-    cycle to announce an offer, then runs one more cycle, which re-materializes
-    it. Without Redis, or with waiting off, it is a plain pull.
+    A long poll subscribes to the Session's channels before its first cycle
+    (so no announcement falls between the two), and when that cycle finds
+    nothing it takes over as the Session's one waiting pull (an older one
+    answers at once), closes its database connection, and waits up to
+    min(wait_s, QL_PULL_WAIT_MAX_S) for the global cycle to announce an offer,
+    then runs one more cycle, which re-materializes it. Without Redis, with
+    waiting off, or with QL_PULL_WAIT_MAX_WAITERS pulls already waiting in this
+    process, it is a plain pull.
     """
     if _pull_id_conflicts(session, pull_id=pull_id, lease_token=lease_token):
         raise PullIdConflict
@@ -109,10 +154,16 @@ def worker_pull(
     if wait <= 0:
         result = cycle()
     else:
-        with offer_subscription(str(session.session_id)) as subscription:
-            result = cycle()
-            if not result.offers and subscription is not None and subscription.wait(wait):
+        with waiter_slots.slot() as may_wait:
+            if not may_wait:
                 result = cycle()
+            else:
+                with offer_subscription(str(session.session_id)) as subscription:
+                    result = cycle()
+                    if not result.offers and subscription is not None and subscription.take_over():
+                        _release_database_connection()
+                        if subscription.wait(wait) is Wake.OFFER:
+                            result = cycle()
     return PullResult(
         offers=result.offers,
         status=str(result.status),

@@ -210,7 +210,9 @@ class PullView(WorkerApiView):
                 description=(
                     "Long poll: when nothing is deliverable, wait up to this many seconds "
                     f"(0-{MAX_PULL_WAIT_S}, capped by the server's QL_PULL_WAIT_MAX_S; "
-                    "0 there means the server never waits) for an offer to be announced."
+                    "0 there means the server never waits) for an offer to be announced. "
+                    "One pull per Session waits: a newer waiting pull makes an older one "
+                    "answer at once (empty), and so does the Session being fenced."
                 ),
             ),
             retry_after(429),
