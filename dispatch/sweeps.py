@@ -18,18 +18,21 @@ from datetime import datetime, timedelta
 from typing import Final
 
 from django.conf import settings
-from django.db.models import Q
+from django.db import transaction
+from django.db.models import Exists, OuterRef, Q, QuerySet
 
 from dispatch.models import DispatchCycle, LeaseState, RunLease
 from dispatch.services import lease_expire, lease_revoke, leases_over_delivered
 from qinglong.clock import db_now
 from runs.models import AttemptState
 from runs.services import Outcome
+from workers.models import SESSION_ENDED_STATES, WorkerSession
 from workers.services import session_mark_offline_if_stale, sessions_stale
 
 __all__ = [
     "SweepCounts",
     "prune_dispatch_cycles",
+    "prune_ended_sessions",
     "run_all_sweeps",
     "sweep_expired_leases",
     "sweep_over_delivered_leases",
@@ -42,6 +45,8 @@ EXPIRY_MAX_PAGES: Final = 4
 SESSION_BATCH: Final = 64
 PRUNE_BATCH: Final = 500
 PRUNE_MAX_BATCHES: Final = 10
+SESSION_PRUNE_BATCH: Final = 200
+SESSION_PRUNE_MAX_BATCHES: Final = 5
 
 
 @dataclass
@@ -160,6 +165,59 @@ def prune_dispatch_cycles(
     return counts
 
 
+def _prunable_sessions(cutoff: datetime) -> QuerySet[WorkerSession]:
+    # The partial index workersession_prunable: ended, not yet found leased.
+    return WorkerSession.objects.filter(
+        state__in=SESSION_ENDED_STATES, kept_for_leases=False, ended_at__lt=cutoff
+    )
+
+
+def prune_ended_sessions(
+    *,
+    retention_days: int | None = None,
+    batch_size: int = SESSION_PRUNE_BATCH,
+    max_batches: int = SESSION_PRUNE_MAX_BATCHES,
+) -> SweepCounts:
+    """Delete ended Sessions older than the retention that no lease points at.
+
+    A Session some lease points at is lease history (RunLease.session is
+    PROTECT): it is kept and marked `kept_for_leases`, so no later sweep reads
+    it again and every sweep stays bounded. Ended is final (no Session comes
+    back, no lease is ever claimed for one), so neither decision can go stale;
+    the delete re-checks both conditions in its own statement anyway.
+    """
+    days = (
+        int(settings.QINGLONG_SESSION_RETENTION_DAYS) if retention_days is None else retention_days
+    )
+    cutoff = db_now() - timedelta(days=days)
+    leased = Exists(RunLease.objects.filter(session_id=OuterRef("pk")))
+    counts = SweepCounts()
+    for _ in range(max_batches):
+        batch = list(
+            _prunable_sessions(cutoff)
+            .annotate(leased=leased)
+            .order_by("ended_at", "id")
+            .values_list("id", "leased")[:batch_size]
+        )
+        if not batch:
+            return counts
+        keep = [pk for pk, has_leases in batch if has_leases]
+        drop = [pk for pk, has_leases in batch if not has_leases]
+        with transaction.atomic(durable=True):
+            if keep:
+                WorkerSession.objects.filter(pk__in=keep).update(kept_for_leases=True)
+            deleted = 0
+            if drop:
+                deleted, _ = _prunable_sessions(cutoff).filter(pk__in=drop).filter(~leased).delete()
+        counts.examined += len(batch)
+        counts.applied += deleted
+        counts.unchanged += len(batch) - deleted
+        if len(batch) < batch_size:
+            return counts
+    counts.truncated = _prunable_sessions(cutoff).exists()
+    return counts
+
+
 def run_all_sweeps() -> dict[str, dict[str, int | bool]]:
     """Every sweep once, in dependency order: sessions first (their leases end
     with them), then expiry, then over-delivery, then retention."""
@@ -168,4 +226,5 @@ def run_all_sweeps() -> dict[str, dict[str, int | bool]]:
         "expired_leases": sweep_expired_leases().as_dict(),
         "over_delivered_leases": sweep_over_delivered_leases().as_dict(),
         "pruned_cycles": prune_dispatch_cycles().as_dict(),
+        "pruned_sessions": prune_ended_sessions().as_dict(),
     }

@@ -14,6 +14,7 @@ from dispatch.cycles import dispatch_cycle
 from dispatch.notify import RedisOfferNotifier
 from dispatch.sweeps import (
     prune_dispatch_cycles,
+    prune_ended_sessions,
     sweep_expired_leases,
     sweep_over_delivered_leases,
     sweep_stale_sessions,
@@ -22,6 +23,7 @@ from dispatch.sweeps import (
 __all__ = [
     "dispatch_cycle_task",
     "prune_dispatch_cycles_task",
+    "prune_ended_sessions_task",
     "sweep_expired_leases_task",
     "sweep_over_delivered_leases_task",
     "sweep_stale_sessions_task",
@@ -63,3 +65,8 @@ def sweep_over_delivered_leases_task() -> dict[str, int | bool]:
 @shared_task(name="dispatch.tasks.prune_dispatch_cycles_task")
 def prune_dispatch_cycles_task() -> dict[str, int | bool]:
     return prune_dispatch_cycles().as_dict()
+
+
+@shared_task(name="dispatch.tasks.prune_ended_sessions_task")
+def prune_ended_sessions_task() -> dict[str, int | bool]:
+    return prune_ended_sessions().as_dict()

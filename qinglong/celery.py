@@ -79,6 +79,13 @@ app.conf.update(
             "schedule": 60.0,
             "options": {"expires": 30},
         },
+        "prune-ended-sessions": {
+            "task": "dispatch.tasks.prune_ended_sessions_task",
+            # Session churn is far slower than pulls: one bounded prune
+            # (<= 1,000 Sessions) every five minutes keeps up with it.
+            "schedule": 300.0,
+            "options": {"expires": _SWEEP_EXPIRES_S},
+        },
     },
 )
 app.autodiscover_tasks()

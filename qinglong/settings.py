@@ -250,9 +250,11 @@ REST_FRAMEWORK: dict[str, Any] = {
     "UNAUTHENTICATED_USER": None,
     # One error envelope for every API failure (DESIGN §4).
     "EXCEPTION_HANDLER": "qinglong.api_errors.api_exception_handler",
-    # Worker pull / session open, keyed by Session / Worker (workers.api.throttles).
+    # Worker pull, heartbeat / session open, keyed by Session / Worker
+    # (workers.api.throttles).
     "DEFAULT_THROTTLE_RATES": {
         "worker_pull": env_str("QL_THROTTLE_WORKER_PULL", "600/min"),
+        "worker_heartbeat": env_str("QL_THROTTLE_WORKER_HEARTBEAT", "120/min"),
         "worker_session_open": env_str("QL_THROTTLE_WORKER_SESSION_OPEN", "30/min"),
     },
 }

@@ -59,6 +59,16 @@ class SessionState(models.TextChoices):
 
 
 SESSION_CURRENT_STATES = (SessionState.ONLINE, SessionState.DRAINING)
+SESSION_ENDED_STATES = (SessionState.OFFLINE, SessionState.REPLACED)
+
+
+class SessionEndReason(models.TextChoices):
+    """Why a Session ended; the 401 a fenced token gets tells the Worker what to do."""
+
+    SESSION_REPLACED = "session_replaced"  # a newer Session of the Worker opened
+    SESSION_OFFLINE = "session_offline"  # missed heartbeats
+    WORKER_DISABLED = "worker_disabled"  # an operator disabled the Worker
+    CREDENTIAL_ROTATED = "credential_rotated"  # the credential it was opened with is void
 
 
 class WorkerSession(models.Model):
@@ -78,6 +88,13 @@ class WorkerSession(models.Model):
     heartbeat_at = models.DateTimeField()
     created_at = models.DateTimeField(auto_now_add=True)
     ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.CharField(
+        max_length=32, choices=SessionEndReason.choices, blank=True, default=""
+    )
+    # Set by the retention sweep on an ended Session that leases point at: it
+    # stays with their history, and the sweep never examines it again (so each
+    # sweep stays bounded however many such Sessions accumulate).
+    kept_for_leases = models.BooleanField(default=False)
     version = models.PositiveIntegerField(default=0)
 
     class Meta:
@@ -108,6 +125,12 @@ class WorkerSession(models.Model):
                 fields=["heartbeat_at"],
                 name="workersession_heartbeat",
                 condition=Q(state__in=["online", "draining"]),
+            ),
+            # The retention sweep: ended Sessions not yet found to carry leases.
+            models.Index(
+                fields=["ended_at", "id"],
+                name="workersession_prunable",
+                condition=Q(state__in=["offline", "replaced"], kept_for_leases=False),
             ),
         ]
 

@@ -7,7 +7,6 @@ started → lost) so that nothing it was granted is ever delivered again.
 
 from __future__ import annotations
 
-import enum
 import logging
 import secrets
 import uuid
@@ -17,6 +16,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 
 from dispatch.core.errors import SpecError
 from dispatch.core.offer import token_digest
@@ -25,6 +25,7 @@ from dispatch.core.spec import validate_executor_type
 from qinglong.clock import db_now
 from workers.models import (
     SESSION_CURRENT_STATES,
+    SessionEndReason,
     SessionState,
     Worker,
     WorkerAdminState,
@@ -90,16 +91,74 @@ def worker_enroll(
     return worker, credential
 
 
-@transaction.atomic
-def worker_rotate_credential(*, worker: Worker) -> str:
-    """Issue a new credential; the old one stops working at once."""
-    credential = _new_secret("qlw")
-    Worker.objects.filter(pk=worker.pk).update(
-        credential_digest=token_digest(credential),
-        credential_prefix=credential[:8],
-        credential_rotated_at=db_now(),
+def _fence_sessions(worker: Worker, *, reason: SessionEndReason, now: datetime) -> list[int]:
+    """End every current Session of a locked Worker (inside the caller's transaction).
+
+    The caller ends their leases after commit (`_end_fenced_leases`): a racing
+    claim either committed first (its lease is ended then) or waits on the
+    Session row and then sees it fenced.
+    """
+    fenced = list(
+        WorkerSession.objects.filter(worker=worker, state__in=SESSION_CURRENT_STATES).values_list(
+            "pk", flat=True
+        )
     )
+    WorkerSession.objects.filter(pk__in=fenced).update(
+        state=SessionState.REPLACED, ended_at=now, end_reason=reason
+    )
+    return fenced
+
+
+def _end_fenced_leases(session_pks: Sequence[int], *, reason: str) -> None:
+    """After the fence commits: end the fenced Sessions' leases, wake their waiting pulls."""
+    from dispatch.notify import announce_sessions_fenced
+    from dispatch.services import leases_end_for_session
+
+    for pk in session_pks:
+        leases_end_for_session(pk, reason=reason)
+    if session_pks and int(settings.QINGLONG_PULL_WAIT_MAX_S) > 0:
+        # Best effort: a fenced Session's long poll would otherwise hold its
+        # thread until its timeout.
+        announce_sessions_fenced(
+            [
+                str(uuid_)
+                for uuid_ in WorkerSession.objects.filter(pk__in=session_pks).values_list(
+                    "session_id", flat=True
+                )
+            ]
+        )
+
+
+def worker_rotate_credential(*, worker: Worker) -> str:
+    """Issue a new credential; the old one and every Session opened with it stop at once.
+
+    The Sessions are fenced exactly like a replacement (README "rotation"):
+    their tokens get `401 credential_rotated`, their claimed Attempts go back
+    to pending and their started ones are lost (the retry policy decides).
+    """
+    credential = _new_secret("qlw")
+    with transaction.atomic(durable=True):
+        # The lock a Session open takes: an open authenticated with the old
+        # credential either committed first (and is fenced here) or waits and
+        # then sees the new digest (`CredentialRotated`).
+        locked = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
+        now = db_now()
+        # Fence first: this waits for a claim holding one of the Sessions, and
+        # holds back any later claim. Only then change the digest, a key column
+        # (unique) whose UPDATE needs a full row lock, which would deadlock
+        # with the foreign-key check (KEY SHARE) of that claim's lease insert.
+        fenced = _fence_sessions(locked, reason=SessionEndReason.CREDENTIAL_ROTATED, now=now)
+        Worker.objects.filter(pk=locked.pk).update(
+            credential_digest=token_digest(credential),
+            credential_prefix=credential[:8],
+            credential_rotated_at=now,
+        )
+    _end_fenced_leases(fenced, reason=SessionEndReason.CREDENTIAL_ROTATED)
     worker.refresh_from_db()
+    logger.info(
+        "credential rotated",
+        extra={"event": "credential_rotated", "worker_id": worker.pk, "fenced": len(fenced)},
+    )
     return credential
 
 
@@ -132,6 +191,10 @@ class WorkerDisabled(Exception):
     """A disabled Worker may not open Sessions."""
 
 
+class CredentialRotated(Exception):
+    """The credential this request authenticated with was rotated before the open committed."""
+
+
 def session_open(
     *,
     worker: Worker,
@@ -159,15 +222,12 @@ def session_open(
         locked = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
         if locked.admin_state == WorkerAdminState.DISABLED:
             raise WorkerDisabled(locked.name)
+        if locked.credential_digest != worker.credential_digest:
+            # Authenticated with a credential rotated meanwhile: it "stops
+            # working at once", including for an open already under way.
+            raise CredentialRotated(locked.name)
         now = db_now()
-        replaced = list(
-            WorkerSession.objects.filter(
-                worker=locked, state__in=SESSION_CURRENT_STATES
-            ).values_list("pk", flat=True)
-        )
-        WorkerSession.objects.filter(pk__in=replaced).update(
-            state=SessionState.REPLACED, ended_at=now
-        )
+        replaced = _fence_sessions(locked, reason=SessionEndReason.SESSION_REPLACED, now=now)
         generation = locked.last_generation + 1
         Worker.objects.filter(pk=locked.pk).update(last_generation=generation)
         session = WorkerSession.objects.create(
@@ -188,10 +248,7 @@ def session_open(
         )
     # After the fence commits, so a racing claim either committed first (and
     # its lease is ended here) or sees the Session replaced.
-    from dispatch.services import leases_end_for_session
-
-    for pk in replaced:
-        leases_end_for_session(pk, reason="session_replaced")
+    _end_fenced_leases(replaced, reason=SessionEndReason.SESSION_REPLACED)
     logger.info(
         "session opened",
         extra={
@@ -223,17 +280,18 @@ def session_authenticate(token: str) -> WorkerSession:
     )
     if session is None:
         raise SessionRejected("invalid_session_token")
-    if session.state == SessionState.REPLACED:
-        raise SessionRejected("session_replaced")
-    if session.state == SessionState.OFFLINE:
-        raise SessionRejected("session_offline")
+    if session.state not in SESSION_CURRENT_STATES:
+        raise SessionRejected(_fenced_code(session))
     if session.worker.admin_state == WorkerAdminState.DISABLED:
         raise SessionRejected("worker_disabled")
     return session
 
 
-class HeartbeatOutcome(enum.StrEnum):
-    OK = "ok"
+def _fenced_code(session: WorkerSession) -> str:
+    """The 401 code of an ended Session: what the Worker should do next."""
+    if session.end_reason == SessionEndReason.CREDENTIAL_ROTATED:
+        return "credential_rotated"  # reopening needs the new credential
+    return "session_replaced" if session.state == SessionState.REPLACED else "session_offline"
 
 
 @dataclass(frozen=True)
@@ -242,37 +300,82 @@ class Heartbeat:
     cancel: list[str]
     server_time: datetime
     renewed: int
+    recorded: bool  # False: inside the minimum interval, answered without a write
+
+
+def _heartbeat_gap() -> timedelta:
+    return timedelta(seconds=int(settings.QINGLONG_HEARTBEAT_MIN_INTERVAL_S))
+
+
+def _heartbeat_due(*, wants: str, now: datetime) -> Q:
+    """Which heartbeats write (README "Heartbeats"), as a WHERE condition.
+
+    A heartbeat records (heartbeat_at, state, lease renewals) at most once per
+    QL_HEARTBEAT_MIN_INTERVAL_S per Session. Entering `draining` is the one
+    exception: it takes effect at once, and since leaving it again waits for
+    the interval, a Session still writes at most twice per interval.
+    """
+    due = Q(heartbeat_at__lte=now - _heartbeat_gap())
+    if wants == SessionState.DRAINING:
+        due |= Q(state=SessionState.ONLINE)
+    return due
+
+
+def _heartbeat_looks_due(session: WorkerSession, *, wants: str, now: datetime) -> bool:
+    """`_heartbeat_due` on the row as read at authentication (the no-write fast path)."""
+    if session.heartbeat_at <= now - _heartbeat_gap():
+        return True
+    return wants == SessionState.DRAINING and session.state == SessionState.ONLINE
 
 
 def session_heartbeat(*, session: WorkerSession, draining: bool) -> Heartbeat:
     """Keep a Session online, renew its started leases, return cancel verdicts."""
-    from dispatch.services import cancelled_offer_ids, leases_renew_for_session
+    from dispatch.services import leases_renew_for_session
 
+    wants = (
+        SessionState.DRAINING
+        if draining or session.worker.admin_state == WorkerAdminState.DRAINING
+        else SessionState.ONLINE
+    )
+    now = db_now()
+    if not _heartbeat_looks_due(session, wants=wants, now=now):
+        # Inside the interval: answered from the current state with no
+        # transaction at all (on SQLite a write transaction takes the one
+        # database write lock).
+        return _heartbeat_answer(session, now=now, renewed=0, recorded=False)
     with transaction.atomic(durable=True):
         now = db_now()
-        wants = (
-            SessionState.DRAINING
-            if draining or session.worker.admin_state == WorkerAdminState.DRAINING
-            else SessionState.ONLINE
-        )
         # Compare-and-set on the current states: a heartbeat racing the offline
-        # sweeper or a replacement never resurrects the Session.
-        updated = WorkerSession.objects.filter(
-            pk=session.pk, state__in=SESSION_CURRENT_STATES
-        ).update(heartbeat_at=now, state=wants)
+        # sweeper or a replacement never resurrects the Session; the interval
+        # is in the same WHERE, so racing heartbeats of one Session write once.
+        updated = (
+            WorkerSession.objects.filter(pk=session.pk, state__in=SESSION_CURRENT_STATES)
+            .filter(_heartbeat_due(wants=wants, now=now))
+            .update(heartbeat_at=now, state=wants)
+        )
         if updated != 1:
             session.refresh_from_db()
-            raise SessionRejected(
-                "session_replaced" if session.state == SessionState.REPLACED else "session_offline"
-            )
+            if session.state not in SESSION_CURRENT_STATES:
+                raise SessionRejected(_fenced_code(session))
+            # A concurrent heartbeat of this Session wrote first.
+            return _heartbeat_answer(session, now=now, renewed=0, recorded=False)
         session.heartbeat_at = now
         session.state = wants
         renewed = leases_renew_for_session(session, now=now)
+    return _heartbeat_answer(session, now=now, renewed=renewed, recorded=True)
+
+
+def _heartbeat_answer(
+    session: WorkerSession, *, now: datetime, renewed: int, recorded: bool
+) -> Heartbeat:
+    from dispatch.services import cancelled_offer_ids
+
     return Heartbeat(
         session_state=session.state,
         cancel=cancelled_offer_ids(session),
         server_time=now,
         renewed=renewed,
+        recorded=recorded,
     )
 
 
@@ -281,7 +384,7 @@ def session_end(*, session_pk: int, to_state: SessionState, reason: str) -> bool
     from dispatch.services import leases_end_for_session
 
     updated = WorkerSession.objects.filter(pk=session_pk, state__in=SESSION_CURRENT_STATES).update(
-        state=to_state, ended_at=db_now()
+        state=to_state, ended_at=db_now(), end_reason=reason
     )
     leases_end_for_session(session_pk, reason=reason)
     return updated == 1
@@ -305,8 +408,8 @@ def session_mark_offline_if_stale(*, session_pk: int) -> bool:
     cutoff = now - timedelta(seconds=settings.QINGLONG_SESSION_TIMEOUT_S)
     updated = WorkerSession.objects.filter(
         pk=session_pk, state__in=SESSION_CURRENT_STATES, heartbeat_at__lt=cutoff
-    ).update(state=SessionState.OFFLINE, ended_at=now)
+    ).update(state=SessionState.OFFLINE, ended_at=now, end_reason=SessionEndReason.SESSION_OFFLINE)
     if updated != 1:
         return False
-    leases_end_for_session(session_pk, reason="session_offline")
+    leases_end_for_session(session_pk, reason=SessionEndReason.SESSION_OFFLINE)
     return True

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
+from django.conf import settings
 from django.db import connection, transaction
 
 from dispatch import services as ds
@@ -18,6 +20,7 @@ from dispatch.models import LeaseState, RunLease
 from dispatch.services import AckPhase, lease_ack
 from qinglong import testing
 from runs.models import Run
+from workers.models import WorkerSession
 from workers.services import session_heartbeat, session_open
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -124,6 +127,9 @@ def _running_lease():
 
 def test_heartbeat_waiting_behind_a_revoke_never_renews_the_ended_lease():
     session, lease = _running_lease()
+    # Due: a heartbeat inside the minimum interval would not try to renew at all.
+    session.heartbeat_at -= timedelta(seconds=settings.QINGLONG_HEARTBEAT_INTERVAL_S)
+    WorkerSession.objects.filter(pk=session.pk).update(heartbeat_at=session.heartbeat_at)
     held, release = threading.Event(), threading.Event()
 
     def revoker() -> None:
@@ -139,7 +145,7 @@ def test_heartbeat_waiting_behind_a_revoke_never_renews_the_ended_lease():
     assert held.wait(10)
     out: dict[str, object] = {}
     beat_thread = _thread(
-        lambda: out.update(renewed=session_heartbeat(session=session, draining=False).renewed),
+        lambda: out.update(vars(session_heartbeat(session=session, draining=False))),
         "heartbeat",
     )
     time.sleep(0.5)  # the renewal now waits on the lease row
@@ -148,4 +154,5 @@ def test_heartbeat_waiting_behind_a_revoke_never_renews_the_ended_lease():
     beat_thread.join(10)
     after = RunLease.objects.get(pk=lease.pk)
     assert out["renewed"] == 0
+    assert out["recorded"] is True  # the heartbeat itself was recorded; only the lease was not
     assert (after.state, after.expires_at) == (LeaseState.REVOKED, lease.expires_at)

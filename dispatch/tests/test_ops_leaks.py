@@ -84,6 +84,7 @@ def test_celery_dispatch_task_result_and_messages_carry_no_spec_or_token(canary_
             "dispatch.tasks.sweep_stale_sessions_task",
             "dispatch.tasks.sweep_over_delivered_leases_task",
             "dispatch.tasks.prune_dispatch_cycles_task",
+            "dispatch.tasks.prune_ended_sessions_task",
         )
     }
     assert_clean(json.dumps(sent))

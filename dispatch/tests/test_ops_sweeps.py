@@ -169,6 +169,7 @@ def test_run_all_sweeps_returns_only_counts():
         "expired_leases",
         "over_delivered_leases",
         "pruned_cycles",
+        "pruned_sessions",
     }
     for counts in result.values():
         assert set(counts) == {"examined", "applied", "unchanged", "lost_race", "truncated"}

@@ -40,9 +40,10 @@ from workers.api.serializers import (
     SessionOpenRequestSerializer,
     SessionOpenResponseSerializer,
 )
-from workers.api.throttles import PullThrottle, SessionOpenThrottle
+from workers.api.throttles import HeartbeatThrottle, PullThrottle, SessionOpenThrottle
 from workers.models import WorkerSession
 from workers.services import (
+    CredentialRotated,
     SessionRejected,
     WorkerDisabled,
     WorkerInputError,
@@ -60,6 +61,9 @@ def _rejected(err: SessionRejected) -> ApiError:
     messages = {
         "session_replaced": "this session was replaced by a newer session of the worker",
         "session_offline": "this session is offline; open a new session",
+        "credential_rotated": (
+            "the worker credential was rotated; open a new session with the new credential"
+        ),
     }
     return ApiError(
         status_code=status.HTTP_401_UNAUTHORIZED,
@@ -116,6 +120,13 @@ class SessionOpenView(WorkerApiView):
             raise ApiError(
                 status_code=403, code="worker_disabled", message="the worker is disabled"
             ) from None
+        except CredentialRotated:
+            # Rotated while this open was under way: as if it came a moment later.
+            raise ApiError(
+                status_code=401,
+                code="invalid_credential",
+                message="the worker credential is not valid",
+            ) from None
         session = opened.session
         return Response(
             {
@@ -132,13 +143,20 @@ class SessionOpenView(WorkerApiView):
 class HeartbeatView(WorkerApiView):
     """Session heartbeat."""
 
+    throttle_classes = [HeartbeatThrottle]
+
     @extend_schema(
         operation_id="worker_heartbeat",
         summary="Keep the Session online, renew started leases, get cancel verdicts",
+        description=(
+            "Send one every `heartbeat_interval_s`. A heartbeat sooner than the server's "
+            "minimum interval after the last recorded one is answered (state, cancel "
+            "verdicts) without being recorded; `draining: true` always takes effect at once."
+        ),
         tags=_TAG,
         request=HeartbeatRequestSerializer,
-        responses={200: HeartbeatResponseSerializer, **error_responses()},
-        parameters=[retry_after()],
+        responses={200: HeartbeatResponseSerializer, **error_responses(429)},
+        parameters=[retry_after(429)],
     )
     def post(self, request: Request) -> Response:
         body = validated(HeartbeatRequestSerializer, request.data)

@@ -42,7 +42,8 @@ def _positive_float(raw: str) -> float:
 class Command(BaseCommand):
     help = (
         "Loop global dispatch cycles and the sweepers (lease expiry, stale Sessions, "
-        "over-delivered leases, DispatchCycle retention) for the embedded default, "
+        "over-delivered leases, DispatchCycle and ended-Session retention) for the "
+        "embedded default, "
         "without Celery or Redis. SIGTERM/SIGINT stop it after the current cycle. "
         "A cycle that raises is logged and the loop continues after a back-off. "
         "Prints only redacted summaries. Exit status 0 on a clean stop."

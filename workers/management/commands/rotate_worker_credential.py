@@ -1,7 +1,9 @@
 """`manage.py rotate_worker_credential NAME [--json]`: issue a new credential.
 
-The old credential stops working at once; the new one is printed once, last.
-Existing Sessions keep their own tokens until they are replaced or go offline.
+The old credential stops working at once, and so does every Session opened
+with it: they are fenced like a replacement (their tokens get
+`401 credential_rotated`, claimed Attempts go back to pending, started ones are
+lost and retried by policy). The new credential is printed once, last.
 """
 
 from __future__ import annotations
@@ -35,5 +37,7 @@ class Command(BaseCommand):
             )
             return
         self.stdout.write(f"Rotated the credential of worker {worker.name} (id {worker.pk}).")
-        self.stdout.write("The old credential no longer works; the new one is shown once.")
+        self.stdout.write(
+            "The old credential and its Sessions no longer work; the new one is shown once."
+        )
         self.stdout.write(f"credential: {credential}")
