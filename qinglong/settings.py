@@ -290,20 +290,6 @@ SPECTACULAR_SETTINGS = {
     ],
 }
 
-# --- cache (API throttling) ---------------------------------------------------
-# Per-process memory on the embedded default; a cluster shares its rate limits
-# across web nodes through Redis (QL_CACHE_URL=redis://…).
-_CACHE_URL = env_str("QL_CACHE_URL", "")
-if _CACHE_URL and not _CACHE_URL.startswith(("redis://", "rediss://")):
-    raise ImproperlyConfigured("QL_CACHE_URL must be a redis:// or rediss:// URL.")
-CACHES: dict[str, Any] = {
-    "default": (
-        {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": _CACHE_URL}
-        if _CACHE_URL
-        else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
-    )
-}
-
 # --- Celery (cluster deployment; the embedded default runs without it) ------
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", "") or None
@@ -311,6 +297,32 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TIMEZONE = "UTC"
+
+# --- cache (API throttling) ---------------------------------------------------
+# Throttle counters must be shared by every web process, or each limit
+# multiplies with the number of processes. The cluster (PostgreSQL) shares
+# them in Redis: QL_CACHE_URL, else the Celery broker when it is Redis. The
+# embedded default (SQLite, no Redis) counts in per-process memory, as does
+# QL_CACHE_URL=memory (e.g. a PostgreSQL box without Redis).
+_REDIS_SCHEMES = ("redis://", "rediss://")
+_CACHE_URL = env_str("QL_CACHE_URL", "")
+if not _CACHE_URL and _db["ENGINE"] == "django.db.backends.postgresql":
+    _CACHE_URL = CELERY_BROKER_URL if CELERY_BROKER_URL.startswith(_REDIS_SCHEMES) else "memory"
+if _CACHE_URL and _CACHE_URL != "memory" and not _CACHE_URL.startswith(_REDIS_SCHEMES):
+    raise ImproperlyConfigured("QL_CACHE_URL must be a redis:// or rediss:// URL, or memory.")
+CACHES: dict[str, Any] = {
+    "default": (
+        {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": _CACHE_URL,
+            # A hung Redis costs a request at most this long; the throttles then
+            # let the request through (workers.api.throttles).
+            "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+        }
+        if _CACHE_URL.startswith(_REDIS_SCHEMES)
+        else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+    )
+}
 
 # --- logging -----------------------------------------------------------------
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
