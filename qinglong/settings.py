@@ -230,9 +230,11 @@ QINGLONG_SESSION_RETENTION_DAYS = env_int("QL_SESSION_RETENTION_DAYS", 7, minimu
 QINGLONG_PULL_WAIT_MAX_S = env_int("QL_PULL_WAIT_MAX_S", 0, minimum=0)
 # At most this many pulls wait at once per web process (each holds a server
 # thread, never a database connection); beyond it a pull answers at once.
-# Keep it below the server's threads per process (gunicorn --threads) so
-# heartbeats and ACKs always find a free thread.
-QINGLONG_PULL_WAIT_MAX_WAITERS = env_int("QL_PULL_WAIT_MAX_WAITERS", 8, minimum=0)
+# Half the gunicorn threads per process (QL_WEB_THREADS, default 8 as in
+# qinglong/gunicorn.conf.py), so heartbeats and ACKs always find a free thread.
+QINGLONG_PULL_WAIT_MAX_WAITERS = env_int(
+    "QL_PULL_WAIT_MAX_WAITERS", max(1, env_int("QL_WEB_THREADS", 8, minimum=1) // 2), minimum=0
+)
 QINGLONG_NOTIFY_REDIS_URL = env_str("QL_NOTIFY_REDIS_URL", "")
 QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, minimum=60)
 

@@ -7,9 +7,13 @@ dispatch/tests/test_long_poll_bounds_postgres.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,3 +87,30 @@ def test_a_pull_past_the_bound_answers_at_once_without_subscribing(
         session=session, pull_id=uuid.uuid4(), lease_token="t" * 43, max_offers=1, wait_s=10
     )
     assert result.offers == ()
+
+
+def _max_waiters(**env: str) -> int:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("QL_WEB_", "QL_PULL_"))}
+    base.update(
+        DJANGO_SETTINGS_MODULE="qinglong.settings",
+        SECRET_KEY="x" * 60,
+        DATABASE_URL="sqlite://:memory:",
+        **env,
+    )
+    code = "from django.conf import settings; print(settings.QINGLONG_PULL_WAIT_MAX_WAITERS)"
+    result = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_waiter_bound_defaults_to_half_the_web_threads() -> None:
+    assert _max_waiters() == 4  # gunicorn.conf.py: 8 threads per process
+    assert _max_waiters(QL_WEB_THREADS="16") == 8
+    assert _max_waiters(QL_WEB_THREADS="16", QL_PULL_WAIT_MAX_WAITERS="3") == 3
