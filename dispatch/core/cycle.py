@@ -1,25 +1,27 @@
-"""`dispatch_once`: one bounded dispatch cycle over the ports (DESIGN §3, ADR §2).
+"""`dispatch_once`: one bounded dispatch cycle over the ports (docs/adr/0001).
 
 No timers, threads or background lifecycle: the caller (Celery beat, the
 `run_dispatcher` loop, a Worker's pull) schedules the next cycle. Every read is
-paged and capped by the `DispatchBudget`; every port's contract is re-checked
-here and a broken one fails the cycle closed (ADR §4).
+paged and capped by the `DispatchBudget` (`dispatch.core.paging`); every port's
+contract is re-checked here and a broken one fails the cycle closed.
 
 Committed claims are real leases: if a later page breaks a port contract, the
 cycle is REJECTED but keeps the offers of claims it already won, so the caller
 can still notify their Workers. If a port raises anything else, the exception
 propagates and those leases are re-delivered by the next cycle's recovery
-(ADR §5: the active lease, not the offer, is the authority).
+(docs/adr/0002: the active lease, not the offer, is the authority).
+
+Reading order: `dispatch_once` first, then `_Cycle`'s steps in the order they
+run, then the pure per-step helpers, then the result bookkeeping.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Final, Generic, TypeVar
+from typing import Final
 
 from dispatch.core.budget import HARD_CAPS, DispatchBudget
 from dispatch.core.errors import PlacementError, SpecError
@@ -32,6 +34,7 @@ from dispatch.core.offer import (
     token_digest,
     tokens_equal,
 )
+from dispatch.core.paging import PageReader, PortContractError
 from dispatch.core.placement import Placement, normalize_placement, placement_score
 from dispatch.core.ports import (
     NEW_CLAIM,
@@ -39,6 +42,7 @@ from dispatch.core.ports import (
     Candidate,
     ClaimRequest,
     ClaimStatus,
+    Clock,
     DispatchPlan,
     DispatchPorts,
     DispatchScope,
@@ -47,6 +51,7 @@ from dispatch.core.ports import (
     PullCredential,
     RecoverableLease,
     Scope,
+    SessionRef,
     WorkerRecord,
     id_sort_key,
 )
@@ -55,152 +60,85 @@ from dispatch.core.spec import check_spec_identity, spec_sha256, validate_spec
 
 __all__ = ["dispatch_once"]
 
-T = TypeVar("T")
 
-# When no candidate was offered, the reason reported is the first of these that
-# happened: data problems an operator must fix outrank transient contention.
-_NO_MATCH_PRECEDENCE: Final = (
-    CycleReason.INVALID_SPEC,
-    CycleReason.PLACEMENT_CONFLICT,
-    CycleReason.PLAN_MISSING,
-    CycleReason.CLAIMS_LOST,
-    CycleReason.NO_ELIGIBLE_WORKER,
-    CycleReason.NO_FREE_SLOTS,
-    CycleReason.NO_WORKERS,
-)
-_CANDIDATE_REJECTIONS: Final = frozenset(
-    {CycleReason.INVALID_SPEC, CycleReason.PLACEMENT_CONFLICT, CycleReason.PLAN_MISSING}
-)
+def dispatch_once(
+    *,
+    scope: DispatchScope,
+    budget: DispatchBudget,
+    ports: DispatchPorts,
+    secret: bytes,
+    pull: PullCredential | None = None,
+    max_offers: int | None = None,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> DispatchCycleResult:
+    """Run one bounded cycle in the fixed authorization order of docs/adr/0001.
 
-
-class _Rejected(Exception):
-    """A port broke its contract: the cycle fails closed with this reason (ADR §4)."""
-
-    def __init__(self, reason: CycleReason) -> None:
-        super().__init__(str(reason))
-        self.reason = reason
-
-
-class _PageReader(Generic[T]):
-    """Lazy keyset paging that re-checks the port contract on every page.
-
-    Rows are read only when the cycle asks for the next one, so no page is
-    fetched that the cycle does not need (ADR §2 step 2: "lazily"). Each page
-    is checked whole on arrival — size, cursor progress, duplicate keys and the
-    caller's per-row check — so a bad page is rejected even if its tail is never
-    consumed.
+    1. `_Cycle.recover`: one `observed_at` from the clock, then this scope's
+       recoverable leases (global scope: only past the redelivery backoff),
+       each re-materialized from its pinned revision (steps 4, 5 and 9 below).
+    2. `_Cycle.claim_new`: only when recovery offered nothing, the first
+       candidate page; no candidate stops the cycle (no Worker read, no plan,
+       no claim).
+    3. `_Cycle.worker_snapshot`: a bounded Worker snapshot by stable cursor
+       (a pull: only the pulling Session).
+    4. `_Cycle.plan`: one plan per candidate, from the Run's pinned revision.
+    5. `_checked_spec`: the one shared spec validator, a deep copy, and the
+       plan's identity must be exactly the persisted candidate's.
+    6. `_required_placement`: the placement must require the candidate's
+       executor type (added when absent, rejected when it conflicts).
+    7. `_Cycle.rank_workers`: eligible Workers by placement score (desc), free
+       slots (desc), worker id (asc).
+    8. `_Cycle.claim_ranked`: claim with the chosen Registry record's worker,
+       session and generation, never with identities from a request.
+    9. `_build_offer`: only a recovered lease or a won claim yields an offer.
     """
-
-    def __init__(
-        self,
-        fetch: Callable[[str | None, int], Page[T]],
-        *,
-        page_size: int,
-        max_pages: int,
-        key: Callable[[T], str],
-        check: Callable[[T], None] | None = None,
-    ) -> None:
-        self._fetch = fetch
-        self._page_size = page_size
-        self._max_pages = max_pages
-        self._key = key
-        self._check = check
-        self._buffer: deque[T] = deque()
-        self._cursor: str | None = None
-        self._cursors_seen: set[str] = set()
-        self._keys_seen: set[str] = set()
-        self._done = False
-        self.pages_read = 0
-        self.rows_read = 0
-
-    def next(self) -> T | None:
-        while not self._buffer:
-            if self._done or self.pages_read >= self._max_pages:
-                return None
-            self._read_page()
-        return self._buffer.popleft()
-
-    @property
-    def budget_exhausted(self) -> bool:
-        """The page budget ended while the port still had rows (a cursor)."""
-        return not self._done and not self._buffer and self.pages_read >= self._max_pages
-
-    @property
-    def may_have_more(self) -> bool:
-        return bool(self._buffer) or not self._done
-
-    def _read_page(self) -> None:
-        previous = self._cursor
-        page = self._fetch(previous, self._page_size)
-        self.pages_read += 1
-        if len(page.items) > self._page_size:
-            raise _Rejected(CycleReason.PAGE_OVERSIZE)
-        next_cursor = page.next_cursor
-        if next_cursor is not None and (
-            next_cursor == previous or next_cursor in self._cursors_seen
-        ):
-            # A cursor that repeats would re-read the same rows forever.
-            raise _Rejected(CycleReason.CURSOR_NOT_ADVANCING)
-        for item in page.items:
-            key = self._key(item)
-            if key in self._keys_seen:
-                raise _Rejected(CycleReason.DUPLICATE_ROW)
-            self._keys_seen.add(key)
-            if self._check is not None:
-                self._check(item)
-        self.rows_read += len(page.items)
-        self._buffer.extend(page.items)
-        if next_cursor is None:
-            self._done = True
-        else:
-            self._cursors_seen.add(next_cursor)
-            self._cursor = next_cursor
-
-
-@dataclass
-class _Tally:
-    recovered: int = 0
-    candidates_seen: int = 0
-    workers_seen: int = 0
-    plans_built: int = 0
-    claims_attempted: int = 0
-    claims_won: int = 0
-    claims_lost: int = 0
-    rejected_candidates: int = 0
-    notes: set[CycleReason] = field(default_factory=set)
-
-
-def _check_plan_identity(plan: DispatchPlan, candidate: Candidate) -> None:
-    """ADR §2 step 5: the plan must be for exactly the persisted candidate."""
-    for name in ("run_id", "attempt_id", "project_id", "task_id", "task_revision"):
-        got, want = getattr(plan, name), getattr(candidate, name)
-        if type(got) is not type(want) or got != want:
-            raise SpecError(name, "plan does not match the persisted candidate")
-
-
-def _checked_spec(plan: DispatchPlan, candidate: Candidate) -> dict[str, object]:
-    spec = validate_spec(plan.spec)
-    check_spec_identity(
-        spec,
-        run_id=candidate.run_id,
-        attempt_id=candidate.attempt_id,
-        project_id=candidate.project_id,
-        task_id=candidate.task_id,
-        task_revision=candidate.task_revision,
+    started = monotonic()
+    _check_arguments(scope=scope, pull=pull, max_offers=max_offers, secret=secret)
+    cycle = _Cycle(
+        scope=scope,
+        budget=budget,
+        ports=ports,
+        secret=secret,
+        pull=pull,
+        max_offers=max_offers,
+        observed_at=_observed_at(ports.clock),
     )
-    _check_plan_identity(plan, candidate)
-    if spec["executor_type"] != candidate.executor_type:
-        raise SpecError("executor_type", "does not match the persisted candidate")
-    return spec
+    try:
+        cycle.recover()  # step 1 (4, 5 and 9 for each recovered lease)
+        cycle.claim_new()  # steps 2-9, only when recovery offered nothing
+    except PortContractError as err:
+        cycle.rejected = err.reason
+    return cycle.result(duration_ms=max(0, round((monotonic() - started) * 1000)))
 
 
-def _worker_rank(item: tuple[int, WorkerRecord, int]) -> tuple[int, int, tuple[int, int, str]]:
-    score, record, free = item
-    # ADR §2 step 7: score desc, free slots desc, worker id asc — deterministic.
-    return (-score, -free, id_sort_key(record.worker_id))
+def _check_arguments(
+    *,
+    scope: DispatchScope,
+    pull: PullCredential | None,
+    max_offers: int | None,
+    secret: bytes,
+) -> None:
+    if scope.kind is Scope.SESSION and pull is None:
+        raise ValueError("session scope claims with the Worker's pull credential (docs/adr/0003)")
+    if max_offers is not None and (
+        isinstance(max_offers, bool) or not isinstance(max_offers, int) or max_offers < 1
+    ):
+        raise ValueError("max_offers must be a positive integer or None")
+    if not isinstance(secret, bytes) or not secret:
+        raise ValueError("the lease secret must be non-empty bytes")
+
+
+def _observed_at(clock: Clock) -> datetime:
+    """Step 1: one observed_at for the whole cycle (the database clock)."""
+    observed_at = clock.now()
+    if observed_at.tzinfo is None or observed_at.utcoffset() is None:
+        raise ValueError("the dispatch clock must return tz-aware datetimes")
+    return observed_at
 
 
 class _Cycle:
+    """The state of one cycle; its public methods are the steps, in order."""
+
     def __init__(
         self,
         *,
@@ -210,6 +148,7 @@ class _Cycle:
         secret: bytes,
         pull: PullCredential | None,
         max_offers: int | None,
+        observed_at: datetime,
     ) -> None:
         self.scope = scope
         self.budget = budget
@@ -217,28 +156,35 @@ class _Cycle:
         self.secret = secret
         self.pull = pull
         self.max_offers = max_offers
+        self.observed_at = observed_at
         self.tally = _Tally()
         self.offers: list[ClaimedExecutionOffer] = []
         self.truncation: CycleReason | None = None
-        self.observed_at: datetime | None = None
+        self.rejected: CycleReason | None = None
         self.free_slots: dict[str, int] = {}
-
-    # -- shared helpers ---------------------------------------------------------
-
-    def _truncate(self, reason: CycleReason) -> None:
-        # The first budget to run out is the one reported; later ones follow from it.
-        if self.truncation is None:
-            self.truncation = reason
-
-    def _offers_full(self) -> bool:
-        return self.max_offers is not None and len(self.offers) >= self.max_offers
 
     # -- step 1: recovery -------------------------------------------------------
 
-    def recover(self, observed_at: datetime) -> None:
-        scope = self.scope
+    def recover(self) -> None:
+        """Re-deliver this scope's active leases (docs/adr/0002), each as an offer."""
+        reader = self._recoverable_leases()
+        while True:
+            if self._offers_full():
+                if reader.may_have_more:
+                    self._truncate(CycleReason.MAX_OFFERS_REACHED)
+                return
+            lease = reader.next()
+            if lease is None:
+                if reader.budget_exhausted:
+                    self._truncate(CycleReason.RECOVERY_BUDGET_EXHAUSTED)
+                return
+            self.offers.append(self._recovered_offer(lease))
+            self.tally.recovered += 1
+
+    def _recoverable_leases(self) -> PageReader[RecoverableLease]:
+        scope, observed_at = self.scope, self.observed_at
         # Global scope re-delivers only after the backoff so undelivered leases
-        # never starve new candidates (DESIGN §3); a Worker's own pull always may.
+        # never starve new candidates; a Worker's own pull always may.
         due_before = (
             observed_at - timedelta(seconds=self.budget.redelivery_backoff_s)
             if scope.kind is Scope.GLOBAL
@@ -257,65 +203,38 @@ class _Cycle:
 
         def check(lease: RecoverableLease) -> None:
             if lease.expires_at <= observed_at:
-                raise _Rejected(CycleReason.RECOVERY_EXPIRED_LEASE)
+                raise PortContractError(CycleReason.RECOVERY_EXPIRED_LEASE)
             if scope.session is not None and lease.session != scope.session:
-                raise _Rejected(CycleReason.RECOVERY_SCOPE_MISMATCH)
+                raise PortContractError(CycleReason.RECOVERY_SCOPE_MISMATCH)
 
-        reader = _PageReader(
+        return PageReader(
             fetch,
             page_size=self.budget.recovery_page_size,
             max_pages=self.budget.recovery_max_pages,
             key=lambda lease: lease.attempt_id,
             check=check,
         )
-        while True:
-            if self._offers_full():
-                if reader.may_have_more:
-                    self._truncate(CycleReason.MAX_OFFERS_REACHED)
-                return
-            lease = reader.next()
-            if lease is None:
-                if reader.budget_exhausted:
-                    self._truncate(CycleReason.RECOVERY_BUDGET_EXHAUSTED)
-                return
-            self.offers.append(self._recovered_offer(lease))
-            self.tally.recovered += 1
 
     def _recovered_offer(self, lease: RecoverableLease) -> ClaimedExecutionOffer:
+        """Steps 4, 5 and 9 for a recovered lease: any doubt fails the cycle closed."""
         candidate = lease.as_candidate()
         try:
-            plan = self.ports.plans.prepare(candidate)
+            plan = self.plan(candidate)
         except PlanUnavailable:
-            raise _Rejected(CycleReason.RECOVERY_PLAN_MISSING) from None
-        self.tally.plans_built += 1
+            raise PortContractError(CycleReason.RECOVERY_PLAN_MISSING) from None
         try:
-            spec = _checked_spec(plan, candidate)
+            spec, digest = _checked_spec(plan, candidate)
         except SpecError:
-            raise _Rejected(CycleReason.RECOVERY_SPEC_DRIFT) from None
-        digest = spec_sha256(spec)
-        # ADR §5: only the pinned revision, byte for byte, may be re-delivered.
+            raise PortContractError(CycleReason.RECOVERY_SPEC_DRIFT) from None
+        # docs/adr/0002: only the pinned revision, byte for byte, is re-delivered.
         if not tokens_equal(digest, lease.spec_sha256):
-            raise _Rejected(CycleReason.RECOVERY_SPEC_DRIFT)
-        offer_id = offer_id_for(
-            attempt_id=lease.attempt_id,
-            lease_generation=lease.lease_generation,
-            worker_id=lease.worker_id,
-            session_id=lease.session_id,
-            session_generation=lease.session_generation,
-        )
-        return ClaimedExecutionOffer(
-            offer_id=offer_id,
+            raise PortContractError(CycleReason.RECOVERY_SPEC_DRIFT)
+        offer_id = _offer_id(candidate, lease.lease_generation, lease.session)
+        return _build_offer(
             source=OfferSource.LEASE_RECOVERY,
-            run_id=lease.run_id,
-            attempt_id=lease.attempt_id,
-            project_id=lease.project_id,
-            task_id=lease.task_id,
-            task_revision=lease.task_revision,
-            priority=lease.priority,
-            queued_at=lease.queued_at,
-            worker_id=lease.worker_id,
-            session_id=lease.session_id,
-            session_generation=lease.session_generation,
+            offer_id=offer_id,
+            candidate=candidate,
+            session=lease.session,
             lease=LeaseGrant(
                 lease_id=lease.lease_id,
                 generation=lease.lease_generation,
@@ -323,8 +242,8 @@ class _Cycle:
                 expires_at=lease.expires_at,
             ),
             spec=spec,
-            spec_sha256=digest,
-            # ADR §3: recovery never recomputes the score.
+            digest=digest,
+            # Recovery never recomputes the score (docs/adr/0002).
             placement_score=lease.placement_score,
         )
 
@@ -334,11 +253,11 @@ class _Cycle:
             # A different secret (rotation, misconfiguration) would hand the
             # Worker a token its ACKs can never match: fail closed instead.
             if not tokens_equal(token_digest(token), lease.token_digest):
-                raise _Rejected(CycleReason.RECOVERY_TOKEN_MISMATCH)
+                raise PortContractError(CycleReason.RECOVERY_TOKEN_MISMATCH)
             return token
         if lease.source == PULL_CLAIM:
-            # DESIGN §3: the server cannot reproduce a Worker-generated token; it
-            # echoes it only to the request that presented that same pull.
+            # docs/adr/0003: the server cannot reproduce a Worker-generated
+            # token; it echoes it only to the request that presented that pull.
             pull = self.pull
             if (
                 pull is not None
@@ -348,12 +267,16 @@ class _Cycle:
             ):
                 return pull.token
             return None
-        raise _Rejected(CycleReason.RECOVERY_TOKEN_MISMATCH)
+        raise PortContractError(CycleReason.RECOVERY_TOKEN_MISMATCH)
 
-    # -- steps 2-9: new claims --------------------------------------------------
+    # -- step 2: candidates -------------------------------------------------------
 
     def claim_new(self) -> None:
-        candidates = _PageReader(
+        """Steps 2-9, only when recovery produced nothing deliverable and was not
+        itself cut short by its budget."""
+        if self.offers or self.truncation is not None:
+            return
+        candidates = PageReader(
             lambda cursor, limit: self.ports.candidates.candidate_page(cursor=cursor, limit=limit),
             page_size=self.budget.candidate_page_size,
             max_pages=self.budget.candidate_max_pages,
@@ -364,14 +287,14 @@ class _Cycle:
         finally:
             self.tally.candidates_seen = candidates.rows_read
 
-    def _claim_from(self, candidates: _PageReader[Candidate]) -> None:
-        candidate = candidates.next()
+    def _claim_from(self, candidates: PageReader[Candidate]) -> None:
+        candidate = candidates.next()  # step 2
         if candidate is None:
-            # Step 2: no candidate, so no Worker, plan or claim call at all.
+            # No candidate, so no Worker, plan or claim call at all.
             if candidates.budget_exhausted:
                 self._truncate(CycleReason.CANDIDATE_BUDGET_EXHAUSTED)
             return
-        workers = self._worker_snapshot()
+        workers = self.worker_snapshot()  # step 3
         if not workers:
             self.tally.notes.add(CycleReason.NO_WORKERS)
             return
@@ -381,7 +304,7 @@ class _Cycle:
             if not any(self.free_slots.values()):
                 self.tally.notes.add(CycleReason.NO_FREE_SLOTS)
                 return
-            if not self._dispatch_candidate(candidate, workers):
+            if not self._dispatch_candidate(candidate, workers):  # steps 4-9
                 return
             if self._offers_full():
                 if candidates.may_have_more:
@@ -393,27 +316,29 @@ class _Cycle:
         if candidates.budget_exhausted:
             self._truncate(CycleReason.CANDIDATE_BUDGET_EXHAUSTED)
 
-    def _worker_snapshot(self) -> list[WorkerRecord]:
+    # -- step 3: the Worker snapshot ----------------------------------------------
+
+    def worker_snapshot(self) -> list[WorkerRecord]:
         scope = self.scope
         sessions_seen: set[str] = set()
         last_key: list[tuple[int, int, str]] = []
 
         def check(record: WorkerRecord) -> None:
             if record.session_id in sessions_seen:
-                raise _Rejected(CycleReason.DUPLICATE_ROW)
+                raise PortContractError(CycleReason.DUPLICATE_ROW)
             sessions_seen.add(record.session_id)
             key = id_sort_key(record.worker_id)
             if last_key and key <= last_key[0]:
-                raise _Rejected(CycleReason.WORKER_ORDER_REGRESSION)
+                raise PortContractError(CycleReason.WORKER_ORDER_REGRESSION)
             last_key[:] = [key]
             if len(sessions_seen) > HARD_CAPS["worker_total"]:
-                raise _Rejected(CycleReason.WORKER_LIMIT_EXCEEDED)
+                raise PortContractError(CycleReason.WORKER_LIMIT_EXCEEDED)
             # Step 8 claims with the Registry record's identity, so in session
             # scope that record must be exactly the authenticated Session.
             if scope.session is not None and record.session != scope.session:
-                raise _Rejected(CycleReason.WORKER_SCOPE_MISMATCH)
+                raise PortContractError(CycleReason.WORKER_SCOPE_MISMATCH)
 
-        reader = _PageReader(
+        reader = PageReader(
             lambda cursor, limit: self.ports.workers.worker_page(
                 scope=scope, cursor=cursor, limit=limit
             ),
@@ -434,34 +359,39 @@ class _Cycle:
         self.free_slots = {record.worker_id: max(0, record.free_slots) for record in workers}
         return workers
 
-    def _skip(self, reason: CycleReason) -> None:
-        self.tally.notes.add(reason)
-        if reason in _CANDIDATE_REJECTIONS:
-            self.tally.rejected_candidates += 1
+    # -- steps 4-8 for one candidate ------------------------------------------------
 
     def _dispatch_candidate(self, candidate: Candidate, workers: list[WorkerRecord]) -> bool:
-        """Steps 4-8 for one candidate; False when the claim budget stops the cycle."""
+        """One candidate through steps 4-8; False when the claim budget stops the cycle."""
         try:
-            plan = self.ports.plans.prepare(candidate)
+            plan = self.plan(candidate)  # step 4
         except PlanUnavailable:
-            self._skip(CycleReason.PLAN_MISSING)
-            return True
-        self.tally.plans_built += 1
+            return self._skip(CycleReason.PLAN_MISSING)
         try:
-            spec = _checked_spec(plan, candidate)
+            spec, digest = _checked_spec(plan, candidate)  # step 5
         except SpecError:
-            self._skip(CycleReason.INVALID_SPEC)
-            return True
-        if not isinstance(plan.placement, Placement):
-            self._skip(CycleReason.PLACEMENT_CONFLICT)
-            return True
+            return self._skip(CycleReason.INVALID_SPEC)
         try:
-            placement = normalize_placement(plan.placement, candidate.executor_type)
+            placement = _required_placement(plan, candidate)  # step 6
         except PlacementError:
-            self._skip(CycleReason.PLACEMENT_CONFLICT)
-            return True
-        digest = spec_sha256(spec)
+            return self._skip(CycleReason.PLACEMENT_CONFLICT)
+        ranked = self.rank_workers(placement, workers)  # step 7
+        if not ranked:
+            return self._skip(CycleReason.NO_ELIGIBLE_WORKER)
+        return self.claim_ranked(candidate, ranked, spec, digest)  # step 8 (and 9)
 
+    def plan(self, candidate: Candidate) -> DispatchPlan:
+        """Step 4: the plan from the Run's pinned revision; raises PlanUnavailable."""
+        plan = self.ports.plans.prepare(candidate)
+        self.tally.plans_built += 1
+        return plan
+
+    # Step 5 is `_checked_spec`, step 6 `_required_placement` (pure, below).
+
+    def rank_workers(
+        self, placement: Placement, workers: list[WorkerRecord]
+    ) -> list[tuple[int, WorkerRecord, int]]:
+        """Step 7: (score, record, free slots) of every eligible Worker, best first."""
         eligible: list[tuple[int, WorkerRecord, int]] = []
         for record in workers:
             free = self.free_slots[record.worker_id]
@@ -472,12 +402,19 @@ class _Cycle:
             )
             if score is not None:
                 eligible.append((score, record, free))
-        if not eligible:
-            self._skip(CycleReason.NO_ELIGIBLE_WORKER)
-            return True
         eligible.sort(key=_worker_rank)
+        return eligible
 
-        for score, record, _ in eligible:
+    def claim_ranked(
+        self,
+        candidate: Candidate,
+        ranked: list[tuple[int, WorkerRecord, int]],
+        spec: dict[str, object],
+        digest: str,
+    ) -> bool:
+        """Step 8: claim on the best Worker that takes it; False when the claim
+        budget stops the cycle."""
+        for score, record, _ in ranked:
             if self.tally.claims_attempted >= self.budget.max_claim_attempts:
                 self._truncate(CycleReason.CLAIM_BUDGET_EXHAUSTED)
                 return False
@@ -485,8 +422,8 @@ class _Cycle:
             if status is ClaimStatus.WON:
                 return True
             if status is ClaimStatus.ATTEMPT_LOST:
-                # ADR §4: someone else owns (or changed) this Attempt: never
-                # reassign it to another Worker in this cycle.
+                # Someone else owns (or changed) this Attempt: never reassign
+                # it to another Worker in this cycle (docs/adr/0001).
                 break
         self.tally.notes.add(CycleReason.CLAIMS_LOST)
         return True
@@ -499,15 +436,9 @@ class _Cycle:
         spec: dict[str, object],
         digest: str,
     ) -> ClaimStatus:
-        """One claim (step 8); returns WON, WORKER_UNAVAILABLE or ATTEMPT_LOST."""
+        """One claim; a won claim becomes an offer (step 9)."""
         generation = candidate.lease_generation + 1
-        offer_id = offer_id_for(
-            attempt_id=candidate.attempt_id,
-            lease_generation=generation,
-            worker_id=record.worker_id,
-            session_id=record.session_id,
-            session_generation=record.session_generation,
-        )
+        offer_id = _offer_id(candidate, generation, record.session)
         is_global = self.scope.kind is Scope.GLOBAL
         if is_global:
             token = derive_lease_token(self.secret, offer_id)
@@ -520,7 +451,7 @@ class _Cycle:
             run_id=candidate.run_id,
             expected_version=candidate.attempt_version,
             lease_generation=generation,
-            # Step 8: the Registry record's identity, never a request body's.
+            # The Registry record's identity, never a request body's.
             worker_id=record.worker_id,
             session_id=record.session_id,
             session_generation=record.session_generation,
@@ -540,19 +471,11 @@ class _Cycle:
             self.tally.claims_won += 1
             self.free_slots[record.worker_id] -= 1
             self.offers.append(
-                ClaimedExecutionOffer(
-                    offer_id=offer_id,
+                _build_offer(
                     source=OfferSource.NEW_CLAIM,
-                    run_id=candidate.run_id,
-                    attempt_id=candidate.attempt_id,
-                    project_id=candidate.project_id,
-                    task_id=candidate.task_id,
-                    task_revision=candidate.task_revision,
-                    priority=candidate.priority,
-                    queued_at=candidate.queued_at,
-                    worker_id=record.worker_id,
-                    session_id=record.session_id,
-                    session_generation=record.session_generation,
+                    offer_id=offer_id,
+                    candidate=candidate,
+                    session=record.session,
                     lease=LeaseGrant(
                         lease_id=outcome.lease_id,
                         generation=generation,
@@ -560,7 +483,7 @@ class _Cycle:
                         expires_at=outcome.expires_at,
                     ),
                     spec=spec,
-                    spec_sha256=digest,
+                    digest=digest,
                     placement_score=score,
                 )
             )
@@ -573,10 +496,25 @@ class _Cycle:
         # Anything but the two known losses is treated as the safe one.
         return ClaimStatus.ATTEMPT_LOST
 
-    # -- result -----------------------------------------------------------------
+    # -- bookkeeping ----------------------------------------------------------------
 
-    def result(self, rejected: CycleReason | None, duration_ms: int) -> DispatchCycleResult:
-        tally = self.tally
+    def _truncate(self, reason: CycleReason) -> None:
+        # The first budget to run out is the one reported; later ones follow from it.
+        if self.truncation is None:
+            self.truncation = reason
+
+    def _offers_full(self) -> bool:
+        return self.max_offers is not None and len(self.offers) >= self.max_offers
+
+    def _skip(self, reason: CycleReason) -> bool:
+        """This candidate is passed over; the cycle goes on (always True)."""
+        self.tally.notes.add(reason)
+        if reason in _CANDIDATE_REJECTIONS:
+            self.tally.rejected_candidates += 1
+        return True
+
+    def result(self, *, duration_ms: int) -> DispatchCycleResult:
+        tally, rejected = self.tally, self.rejected
         offers = tuple(self.offers)
         if rejected is not None:
             # Re-deliveries are dropped; won claims are committed leases and stay.
@@ -623,43 +561,120 @@ class _Cycle:
         )
 
 
-def dispatch_once(
-    *,
-    scope: DispatchScope,
-    budget: DispatchBudget,
-    ports: DispatchPorts,
-    secret: bytes,
-    pull: PullCredential | None = None,
-    max_offers: int | None = None,
-    monotonic: Callable[[], float] = time.monotonic,
-) -> DispatchCycleResult:
-    """Run one bounded cycle in the fixed authorization order of ADR §2."""
-    started = monotonic()
-    if scope.kind is Scope.SESSION and pull is None:
-        raise ValueError("session scope claims with the Worker's pull credential (ADR-0108)")
-    if max_offers is not None and (
-        isinstance(max_offers, bool) or not isinstance(max_offers, int) or max_offers < 1
-    ):
-        raise ValueError("max_offers must be a positive integer or None")
-    if not isinstance(secret, bytes) or not secret:
-        raise ValueError("the lease secret must be non-empty bytes")
+# ------------------------------------------------------------ pure step helpers
 
-    cycle = _Cycle(
-        scope=scope, budget=budget, ports=ports, secret=secret, pull=pull, max_offers=max_offers
+
+def _checked_spec(plan: DispatchPlan, candidate: Candidate) -> tuple[dict[str, object], str]:
+    """Step 5: the validated deep copy of the plan's spec and its digest.
+
+    Raises SpecError unless spec and plan are for exactly the persisted
+    candidate (run, attempt, project, task, revision, executor type).
+    """
+    spec = validate_spec(plan.spec)
+    check_spec_identity(
+        spec,
+        run_id=candidate.run_id,
+        attempt_id=candidate.attempt_id,
+        project_id=candidate.project_id,
+        task_id=candidate.task_id,
+        task_revision=candidate.task_revision,
     )
-    rejected: CycleReason | None = None
-    # Step 1: one observed_at for the whole cycle (the database clock).
-    observed_at = ports.clock.now()
-    if observed_at.tzinfo is None or observed_at.utcoffset() is None:
-        raise ValueError("the dispatch clock must return tz-aware datetimes")
-    cycle.observed_at = observed_at
-    try:
-        cycle.recover(observed_at)
-        # Step 2 runs only when recovery produced nothing deliverable, and not
-        # when recovery itself was cut short by its budget.
-        if not cycle.offers and cycle.truncation is None:
-            cycle.claim_new()
-    except _Rejected as err:
-        rejected = err.reason
-    duration_ms = max(0, round((monotonic() - started) * 1000))
-    return cycle.result(rejected, duration_ms)
+    for name in ("run_id", "attempt_id", "project_id", "task_id", "task_revision"):
+        got, want = getattr(plan, name), getattr(candidate, name)
+        if type(got) is not type(want) or got != want:
+            raise SpecError(name, "plan does not match the persisted candidate")
+    if spec["executor_type"] != candidate.executor_type:
+        raise SpecError("executor_type", "does not match the persisted candidate")
+    return spec, spec_sha256(spec)
+
+
+def _required_placement(plan: DispatchPlan, candidate: Candidate) -> Placement:
+    """Step 6: the plan's placement, requiring the candidate's executor type.
+
+    Raises PlacementError when it is not a Placement or conflicts.
+    """
+    if not isinstance(plan.placement, Placement):
+        raise PlacementError("placement", "the plan carries no Placement")
+    return normalize_placement(plan.placement, candidate.executor_type)
+
+
+def _worker_rank(item: tuple[int, WorkerRecord, int]) -> tuple[int, int, tuple[int, int, str]]:
+    score, record, free = item
+    # Step 7: score desc, free slots desc, worker id asc — deterministic.
+    return (-score, -free, id_sort_key(record.worker_id))
+
+
+def _offer_id(candidate: Candidate, lease_generation: int, session: SessionRef) -> str:
+    return offer_id_for(
+        attempt_id=candidate.attempt_id,
+        lease_generation=lease_generation,
+        worker_id=session.worker_id,
+        session_id=session.session_id,
+        session_generation=session.session_generation,
+    )
+
+
+def _build_offer(
+    *,
+    source: OfferSource,
+    offer_id: str,
+    candidate: Candidate,
+    session: SessionRef,
+    lease: LeaseGrant,
+    spec: Mapping[str, object],
+    digest: str,
+    placement_score: int | None,
+) -> ClaimedExecutionOffer:
+    """Step 9, the one place an offer is assembled: the candidate's persisted
+    identity and ordering facts, the granted Session, the lease, the checked
+    spec copy and its digest (docs/adr/0002)."""
+    return ClaimedExecutionOffer(
+        offer_id=offer_id,
+        source=source,
+        run_id=candidate.run_id,
+        attempt_id=candidate.attempt_id,
+        project_id=candidate.project_id,
+        task_id=candidate.task_id,
+        task_revision=candidate.task_revision,
+        priority=candidate.priority,
+        queued_at=candidate.queued_at,
+        worker_id=session.worker_id,
+        session_id=session.session_id,
+        session_generation=session.session_generation,
+        lease=lease,
+        spec=spec,
+        spec_sha256=digest,
+        placement_score=placement_score,
+    )
+
+
+# ----------------------------------------------------------- result bookkeeping
+
+
+@dataclass
+class _Tally:
+    recovered: int = 0
+    candidates_seen: int = 0
+    workers_seen: int = 0
+    plans_built: int = 0
+    claims_attempted: int = 0
+    claims_won: int = 0
+    claims_lost: int = 0
+    rejected_candidates: int = 0
+    notes: set[CycleReason] = field(default_factory=set)
+
+
+# When no candidate was offered, the reason reported is the first of these that
+# happened: data problems an operator must fix outrank transient contention.
+_NO_MATCH_PRECEDENCE: Final = (
+    CycleReason.INVALID_SPEC,
+    CycleReason.PLACEMENT_CONFLICT,
+    CycleReason.PLAN_MISSING,
+    CycleReason.CLAIMS_LOST,
+    CycleReason.NO_ELIGIBLE_WORKER,
+    CycleReason.NO_FREE_SLOTS,
+    CycleReason.NO_WORKERS,
+)
+_CANDIDATE_REJECTIONS: Final = frozenset(
+    {CycleReason.INVALID_SPEC, CycleReason.PLACEMENT_CONFLICT, CycleReason.PLAN_MISSING}
+)
