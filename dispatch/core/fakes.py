@@ -3,15 +3,15 @@
 Shipped beside the ports (procrastinate's `testing.py` style) so the core's
 tests, the contract suite and other apps' unit tests use the same fakes. They
 honour the port contracts in `dispatch.core.ports` — keyset order, filters,
-page limits, the claim's CAS — so one contract suite
-(`dispatch/tests/test_port_contract.py`) runs against them and the ORM adapters.
+page limits, the claim's checks in the database's order — so one contract
+suite (`dispatch/tests/test_port_contract.py`) runs against them and the ORM
+adapters.
 
-Port objects keep no state of their own beyond call logs and misbehaviour
-knobs: a "restart" is simply new port objects over the same `FakeStore`.
-Knobs make a port break its contract on purpose, to prove the cycle fails
-closed (ADR §4): duplicate rows, a cursor that does not advance, an over-size
-page, worker order regression, rows outside the requested scope, a Worker that
-vanishes after the snapshot, a lost CAS, a drifted or missing plan.
+Port objects keep no state of their own beyond call logs: a "restart" is simply
+new port objects over the same `FakeStore`. These fakes are well behaved; the
+deliberately broken variants that prove the cycle fails closed live with the
+tests that use them (`dispatch/tests/core/misbehaving.py`), on the `_page`,
+`_in_scope`, `_is_live`, `_plan` and `_claim` hooks below.
 """
 
 from __future__ import annotations
@@ -22,20 +22,26 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 
-from dispatch.core.placement import Placement
+from dispatch.core.budget import HARD_CAPS
 from dispatch.core.ports import (
     Candidate,
+    CandidateSource,
     ClaimOutcome,
+    ClaimPort,
     ClaimRequest,
     ClaimStatus,
+    Clock,
     DispatchPlan,
     DispatchPorts,
     DispatchScope,
+    LeaseRecoverySource,
     Page,
     PlanUnavailable,
     RecoverableLease,
+    RunDispatchPlanSource,
     SessionRef,
     WorkerRecord,
+    WorkerSnapshotSource,
     id_sort_key,
 )
 from dispatch.core.spec import TaskDefinition, build_spec, validate_task_definition
@@ -50,6 +56,7 @@ __all__ = [
     "FakeStore",
     "FakeWorkerSnapshotSource",
     "fake_ports",
+    "keyset_page",
 ]
 
 DEFAULT_NOW: Final = datetime(2026, 7, 18, 12, 0, tzinfo=UTC)
@@ -377,62 +384,55 @@ def _definition(value: Mapping[str, object] | TaskDefinition) -> TaskDefinition:
 # ---------------------------------------------------------------- paging
 
 
-def _paginate(
+def keyset_page(
     rows: list[R],
     *,
     key: Callable[[R], tuple[Any, ...]],
     after: tuple[Any, ...] | None,
     encode: Callable[[R], str],
-    cursor: str | None,
     limit: int,
-    duplicate_rows: bool,
-    stuck_cursor: bool,
-    oversize: bool,
-    previous_last: R | None,
 ) -> Page[R]:
-    """Keyset paging over rows already sorted by `key`, with the bug knobs."""
+    """The rows after `after` (rows already sorted by `key`), at most `limit`."""
     remaining = rows if after is None else [row for row in rows if key(row) > after]
-    items = remaining[: limit + 1 if oversize else limit]
+    items = remaining[:limit]
     more = len(remaining) > len(items)
-    if duplicate_rows and cursor is not None and previous_last is not None:
-        # The classic off-by-one (">=" for ">"): the previous page's last row
-        # comes back, even if it has been claimed since.
-        items = [previous_last, *items[: limit - 1]]
-        more = more or len(remaining) > limit - 1
-    next_cursor = encode(items[-1]) if more and items else None
-    if stuck_cursor and cursor is not None and next_cursor is not None:
-        next_cursor = cursor
-    return Page(tuple(items), next_cursor)
+    return Page(tuple(items), encode(items[-1]) if more and items else None)
+
+
+_MAX_LIMIT: Final = HARD_CAPS["page_size"]
 
 
 def _check_limit(limit: int) -> None:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError("limit must be a positive integer")
+    # The same bounds as the ORM adapters: the core never asks for more than a
+    # hard-capped page.
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_LIMIT:
+        raise ValueError(f"limit must be an integer from 1 to {_MAX_LIMIT}")
+
+
+class _PagedSource:
+    """Call log and the paging hook shared by the three paged sources."""
+
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
+        self.calls: list[dict[str, object]] = []
+
+    def _page(
+        self,
+        rows: list[R],
+        *,
+        key: Callable[[R], tuple[Any, ...]],
+        after: tuple[Any, ...] | None,
+        encode: Callable[[R], str],
+        cursor: str | None,
+        limit: int,
+    ) -> Page[R]:
+        return keyset_page(rows, key=key, after=after, encode=encode, limit=limit)
 
 
 # ---------------------------------------------------------------- ports
 
 
-class FakeLeaseRecoverySource:
-    def __init__(
-        self,
-        store: FakeStore,
-        *,
-        duplicate_rows: bool = False,
-        stuck_cursor: bool = False,
-        oversize: bool = False,
-        include_expired: bool = False,
-        ignore_scope: bool = False,
-    ) -> None:
-        self.store = store
-        self.duplicate_rows = duplicate_rows
-        self.stuck_cursor = stuck_cursor
-        self.oversize = oversize
-        self.include_expired = include_expired
-        self.ignore_scope = ignore_scope
-        self.calls: list[dict[str, object]] = []
-        self._last: RecoverableLease | None = None
-
+class FakeLeaseRecoverySource(_PagedSource):
     def recover_page(
         self,
         *,
@@ -462,20 +462,14 @@ class FakeLeaseRecoverySource:
             ),
             key=lambda row: id_sort_key(row.lease_id),
         )
-        page = _paginate(
+        return self._page(
             rows,
             key=lambda row: id_sort_key(row.lease_id),
             after=None if cursor is None else id_sort_key(cursor),
             encode=lambda row: row.lease_id,
             cursor=cursor,
             limit=limit,
-            duplicate_rows=self.duplicate_rows,
-            stuck_cursor=self.stuck_cursor,
-            oversize=self.oversize,
-            previous_last=self._last,
         )
-        self._last = page.items[-1] if page.items else self._last
-        return page
 
     def _eligible(
         self,
@@ -492,11 +486,12 @@ class FakeLeaseRecoverySource:
         return (
             lease.state == "active"
             and attempt.state == "claimed"
+            and attempt.lease_generation == lease.lease_generation
             and run.state == "dispatching"
             and not run.cancel_requested
-            and (self.include_expired or lease.expires_at > observed_at)
+            and self._is_live(lease, observed_at)
             and store.is_current_session(ref, ("online", "draining"))
-            and (self.ignore_scope or scope.session is None or scope.session == ref)
+            and self._in_scope(scope, ref)
             and (
                 due_before is None
                 or lease.last_delivered_at is None
@@ -504,6 +499,12 @@ class FakeLeaseRecoverySource:
             )
             and lease.delivery_count < max_deliveries
         )
+
+    def _is_live(self, lease: FakeLease, observed_at: datetime) -> bool:
+        return lease.expires_at > observed_at
+
+    def _in_scope(self, scope: DispatchScope, ref: SessionRef) -> bool:
+        return scope.session is None or scope.session == ref
 
     def _as_recoverable(self, lease: FakeLease) -> RecoverableLease:
         run = self.store.runs[lease.run_id]
@@ -547,40 +548,19 @@ def _decode_candidate(cursor: str) -> tuple[int, datetime, tuple[int, int, str]]
     return (-int(priority), datetime.fromisoformat(queued_at), id_sort_key(str(attempt_id)))
 
 
-class FakeCandidateSource:
-    def __init__(
-        self,
-        store: FakeStore,
-        *,
-        duplicate_rows: bool = False,
-        stuck_cursor: bool = False,
-        oversize: bool = False,
-    ) -> None:
-        self.store = store
-        self.duplicate_rows = duplicate_rows
-        self.stuck_cursor = stuck_cursor
-        self.oversize = oversize
-        self.calls: list[dict[str, object]] = []
-        self._last: Candidate | None = None
-
+class FakeCandidateSource(_PagedSource):
     def candidate_page(self, *, cursor: str | None, limit: int) -> Page[Candidate]:
         self.calls.append({"cursor": cursor, "limit": limit})
         _check_limit(limit)
         rows = sorted(self._candidates(), key=_candidate_key)
-        page = _paginate(
+        return self._page(
             rows,
             key=_candidate_key,
             after=None if cursor is None else _decode_candidate(cursor),
             encode=_encode_candidate,
             cursor=cursor,
             limit=limit,
-            duplicate_rows=self.duplicate_rows,
-            stuck_cursor=self.stuck_cursor,
-            oversize=self.oversize,
-            previous_last=self._last,
         )
-        self._last = page.items[-1] if page.items else self._last
-        return page
 
     def _candidates(self) -> Iterable[Candidate]:
         for attempt in self.store.attempts.values():
@@ -601,48 +581,21 @@ class FakeCandidateSource:
             )
 
 
-class FakeWorkerSnapshotSource:
-    def __init__(
-        self,
-        store: FakeStore,
-        *,
-        duplicate_rows: bool = False,
-        stuck_cursor: bool = False,
-        oversize: bool = False,
-        order_regression: bool = False,
-        ignore_scope: bool = False,
-    ) -> None:
-        self.store = store
-        self.duplicate_rows = duplicate_rows
-        self.stuck_cursor = stuck_cursor
-        self.oversize = oversize
-        self.order_regression = order_regression
-        self.ignore_scope = ignore_scope
-        self.calls: list[dict[str, object]] = []
-        self._last: WorkerRecord | None = None
-
+class FakeWorkerSnapshotSource(_PagedSource):
     def worker_page(
         self, *, scope: DispatchScope, cursor: str | None, limit: int
     ) -> Page[WorkerRecord]:
         self.calls.append({"scope": scope, "cursor": cursor, "limit": limit})
         _check_limit(limit)
         rows = sorted(self._records(scope), key=lambda row: id_sort_key(row.worker_id))
-        page = _paginate(
+        return self._page(
             rows,
             key=lambda row: id_sort_key(row.worker_id),
             after=None if cursor is None else id_sort_key(cursor),
             encode=lambda row: row.worker_id,
             cursor=cursor,
             limit=limit,
-            duplicate_rows=self.duplicate_rows,
-            stuck_cursor=self.stuck_cursor,
-            oversize=self.oversize,
-            previous_last=self._last,
         )
-        self._last = page.items[-1] if page.items else self._last
-        if self.order_regression:
-            return Page(tuple(reversed(page.items)), page.next_cursor)
-        return page
 
     def _records(self, scope: DispatchScope) -> Iterable[WorkerRecord]:
         for worker in self.store.workers.values():
@@ -650,7 +603,7 @@ class FakeWorkerSnapshotSource:
             if worker.admin_state != "active" or session is None or session.state != "online":
                 continue
             ref = SessionRef(worker.worker_id, session.session_id, session.generation)
-            if not self.ignore_scope and scope.session is not None and scope.session != ref:
+            if not self._in_scope(scope, ref):
                 continue
             yield WorkerRecord(
                 worker_id=worker.worker_id,
@@ -661,92 +614,68 @@ class FakeWorkerSnapshotSource:
                 free_slots=self.store.free_slots(worker.worker_id),
             )
 
-
-SpecPatch = Callable[[Candidate, dict[str, object]], dict[str, object]]
+    def _in_scope(self, scope: DispatchScope, ref: SessionRef) -> bool:
+        return scope.session is None or scope.session == ref
 
 
 class FakePlanSource:
     """Builds plans from the Run's pinned revision, like the ORM adapter.
 
     `prepared` keeps every plan handed out, with its spec as a live mutable dict,
-    so a test can mutate the source's data after the cycle (ADR 验证要求 8).
+    so a test can mutate the source's data after the cycle and show the offer
+    kept its own copy.
     """
 
-    def __init__(
-        self,
-        store: FakeStore,
-        *,
-        unavailable_runs: Collection[str] = (),
-        spec_patch: SpecPatch | None = None,
-        placement_override: Placement | None = None,
-    ) -> None:
+    def __init__(self, store: FakeStore) -> None:
         self.store = store
-        self.unavailable_runs = set(unavailable_runs)
-        self.spec_patch = spec_patch
-        self.placement_override = placement_override
         self.calls: list[Candidate] = []
         self.prepared: list[DispatchPlan] = []
 
     def prepare(self, candidate: Candidate) -> DispatchPlan:
         self.calls.append(candidate)
+        plan = self._plan(candidate)
+        self.prepared.append(plan)
+        return plan
+
+    def _plan(self, candidate: Candidate) -> DispatchPlan:
         run = self.store.runs.get(candidate.run_id)
         attempt = self.store.attempts.get(candidate.attempt_id)
-        if (
-            run is None
-            or attempt is None
-            or attempt.run_id != run.run_id
-            or run.run_id in self.unavailable_runs
-        ):
+        if run is None or attempt is None or attempt.run_id != run.run_id:
             raise PlanUnavailable(candidate.run_id)
         definition = self.store.tasks[run.task_id].revisions.get(run.task_revision)
         if definition is None:
             raise PlanUnavailable(candidate.run_id)
-        spec = build_spec(
+        return DispatchPlan(
             run_id=run.run_id,
             attempt_id=attempt.attempt_id,
             project_id=run.project_id,
             task_id=run.task_id,
             task_revision=run.task_revision,
-            definition=definition,
-        )
-        if self.spec_patch is not None:
-            spec = self.spec_patch(candidate, spec)
-        plan = DispatchPlan(
-            run_id=run.run_id,
-            attempt_id=attempt.attempt_id,
-            project_id=run.project_id,
-            task_id=run.task_id,
-            task_revision=run.task_revision,
-            spec=spec,
-            placement=(
-                definition.placement if self.placement_override is None else self.placement_override
+            spec=build_spec(
+                run_id=run.run_id,
+                attempt_id=attempt.attempt_id,
+                project_id=run.project_id,
+                task_id=run.task_id,
+                task_revision=run.task_revision,
+                definition=definition,
             ),
+            placement=definition.placement,
         )
-        self.prepared.append(plan)
-        return plan
 
 
 class FakeClaimPort:
-    """The claim transaction of DESIGN §3, against the store."""
+    """The claim transaction (docs/adr/0002), against the store."""
 
-    def __init__(
-        self,
-        store: FakeStore,
-        *,
-        vanished_workers: Collection[str] = (),
-        lost_attempts: Collection[str] = (),
-    ) -> None:
+    def __init__(self, store: FakeStore) -> None:
         self.store = store
-        self.vanished_workers = set(vanished_workers)
-        self.lost_attempts = set(lost_attempts)
         self.calls: list[ClaimRequest] = []
 
     def claim(self, request: ClaimRequest) -> ClaimOutcome:
         self.calls.append(request)
+        return self._claim(request)
+
+    def _claim(self, request: ClaimRequest) -> ClaimOutcome:
         store = self.store
-        if request.attempt_id in self.lost_attempts:
-            # A rival dispatcher committed between our read and our CAS.
-            return ClaimOutcome(ClaimStatus.ATTEMPT_LOST)
         attempt = store.attempts.get(request.attempt_id)
         if (
             attempt is None
@@ -759,10 +688,6 @@ class FakeClaimPort:
         run = store.runs[attempt.run_id]
         if run.state != "queued" or run.cancel_requested:
             return ClaimOutcome(ClaimStatus.ATTEMPT_LOST)
-        if request.worker_id in self.vanished_workers:
-            # Gone since the snapshot: the session really is offline now.
-            store.set_session_state(request.worker_id, "offline")
-            return ClaimOutcome(ClaimStatus.WORKER_UNAVAILABLE)
         ref = SessionRef(request.worker_id, request.session_id, request.session_generation)
         worker = store.workers.get(request.worker_id)
         if (
@@ -783,12 +708,12 @@ class FakeClaimPort:
 def fake_ports(
     store: FakeStore,
     *,
-    recovery: FakeLeaseRecoverySource | None = None,
-    candidates: FakeCandidateSource | None = None,
-    workers: FakeWorkerSnapshotSource | None = None,
-    plans: FakePlanSource | None = None,
-    claims: FakeClaimPort | None = None,
-    clock: FakeClock | None = None,
+    recovery: LeaseRecoverySource | None = None,
+    candidates: CandidateSource | None = None,
+    workers: WorkerSnapshotSource | None = None,
+    plans: RunDispatchPlanSource | None = None,
+    claims: ClaimPort | None = None,
+    clock: Clock | None = None,
 ) -> DispatchPorts:
     """Fresh port objects over `store` (a "restarted" dispatcher), any replaced."""
     return DispatchPorts(

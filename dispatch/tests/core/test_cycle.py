@@ -13,15 +13,7 @@ import pytest
 
 from dispatch.core.budget import DispatchBudget
 from dispatch.core.cycle import dispatch_once
-from dispatch.core.fakes import (
-    FakeCandidateSource,
-    FakeClaimPort,
-    FakeLeaseRecoverySource,
-    FakePlanSource,
-    FakeStore,
-    FakeWorkerSnapshotSource,
-    fake_ports,
-)
+from dispatch.core.fakes import FakeClaimPort, FakePlanSource, FakeStore, fake_ports
 from dispatch.core.offer import OfferSource, derive_lease_token, offer_id_for, token_digest
 from dispatch.core.placement import Placement
 from dispatch.core.ports import (
@@ -45,6 +37,13 @@ from dispatch.tests.core._builders import (
     enqueue,
     run,
     secret_definition,
+)
+from dispatch.tests.core.misbehaving import (
+    MisbehavingCandidateSource,
+    MisbehavingClaimPort,
+    MisbehavingLeaseRecoverySource,
+    MisbehavingPlanSource,
+    MisbehavingWorkerSnapshotSource,
 )
 
 PULL = PullCredential(pull_id="6f1f7a36-0000-4000-8000-000000000001", token="W" * 43)
@@ -230,7 +229,7 @@ def test_conflicting_plan_placement_skips_the_candidate() -> None:
     store.add_worker(executor_types=("process", "docker"))
     enqueue(store)
     ports = fake_ports(
-        store, plans=FakePlanSource(store, placement_override=Placement("docker", {}, ()))
+        store, plans=MisbehavingPlanSource(store, placement_override=Placement("docker", {}, ()))
     )
     result = run(ports)
     assert (result.status, result.reason) == (CycleStatus.NO_MATCH, CycleReason.PLACEMENT_CONFLICT)
@@ -323,7 +322,7 @@ def test_a_broken_worker_snapshot_rejects_the_cycle_before_any_claim(
     for _ in range(5):
         store.add_worker()
     enqueue(store)
-    ports = fake_ports(store, workers=FakeWorkerSnapshotSource(store, **knob))
+    ports = fake_ports(store, workers=MisbehavingWorkerSnapshotSource(store, **knob))
     result = run(ports, budget={"worker_page_size": 2, "worker_max_pages": 3})
     assert (result.status, result.reason) == (CycleStatus.REJECTED, reason)
     assert call_counts(ports)["plans"] == call_counts(ports)["claims"] == 0
@@ -335,7 +334,7 @@ def test_worker_outside_the_session_scope_rejects_the_cycle() -> None:
     store.add_worker()
     me = store.add_worker()
     enqueue(store)
-    ports = fake_ports(store, workers=FakeWorkerSnapshotSource(store, ignore_scope=True))
+    ports = fake_ports(store, workers=MisbehavingWorkerSnapshotSource(store, ignore_scope=True))
     result = run(ports, scope=DispatchScope.for_session(me), pull=PULL)
     assert (result.status, result.reason) == (
         CycleStatus.REJECTED,
@@ -357,7 +356,7 @@ def test_a_broken_later_candidate_page_rejects_but_keeps_committed_claims(
     store = FakeStore()
     store.add_worker(slots=10)
     enqueue(store, 5)
-    ports = fake_ports(store, candidates=FakeCandidateSource(store, **knob))
+    ports = fake_ports(store, candidates=MisbehavingCandidateSource(store, **knob))
     result = run(ports, budget={"candidate_page_size": 2, "candidate_max_pages": 3})
     assert (result.status, result.reason) == (CycleStatus.REJECTED, reason)
     # The first page's claims are committed leases: their offers are kept so the
@@ -370,7 +369,7 @@ def test_an_over_size_candidate_page_rejects_before_reading_workers() -> None:
     store = FakeStore()
     store.add_worker(slots=10)
     enqueue(store, 5)
-    ports = fake_ports(store, candidates=FakeCandidateSource(store, oversize=True))
+    ports = fake_ports(store, candidates=MisbehavingCandidateSource(store, oversize=True))
     result = run(ports, budget={"candidate_page_size": 2})
     assert (result.status, result.reason) == (CycleStatus.REJECTED, CycleReason.PAGE_OVERSIZE)
     assert call_counts(ports)["workers"] == call_counts(ports)["claims"] == 0
@@ -384,7 +383,9 @@ def test_a_worker_gone_after_the_snapshot_lets_the_next_matched_worker_be_tried(
     first = store.add_worker(labels={"disk": "ssd"})
     second = store.add_worker()
     enqueue(store, placement={"preferred": [{"labels": {"disk": "ssd"}, "weight": 1}]})
-    ports = fake_ports(store, claims=FakeClaimPort(store, vanished_workers={first.worker_id}))
+    ports = fake_ports(
+        store, claims=MisbehavingClaimPort(store, vanished_workers={first.worker_id})
+    )
     result = run(ports)
     assert [c.worker_id for c in claims_of(ports)] == [first.worker_id, second.worker_id]
     assert (result.status, result.counts.claims_lost, result.counts.claims_won) == (
@@ -410,7 +411,7 @@ def test_a_full_worker_gets_no_further_claims_this_cycle() -> None:
             store.workers[full.worker_id].slots = 0
             return inner.claim(request)
 
-    ports = fake_ports(store, claims=FilledBySomeoneElse())  # type: ignore[arg-type]
+    ports = fake_ports(store, claims=FilledBySomeoneElse())
     result = run(ports)
     assert [c.worker_id for c in claims_of(ports)] == [full.worker_id, other.worker_id]
     assert [o.worker_id for o in result.offers] == [other.worker_id]
@@ -420,7 +421,7 @@ def test_worker_retries_stay_within_the_claim_budget() -> None:
     store = FakeStore()
     gone = [store.add_worker().worker_id for _ in range(3)]
     enqueue(store)
-    ports = fake_ports(store, claims=FakeClaimPort(store, vanished_workers=set(gone)))
+    ports = fake_ports(store, claims=MisbehavingClaimPort(store, vanished_workers=set(gone)))
     result = run(ports, budget={"max_claim_attempts": 2})
     assert call_counts(ports)["claims"] == 2
     assert (result.status, result.reason, result.truncated) == (
@@ -435,7 +436,7 @@ def test_a_lost_attempt_is_not_reassigned() -> None:
     store.add_worker()
     store.add_worker()
     [(_, lost), (_, other)] = enqueue(store, 2)
-    ports = fake_ports(store, claims=FakeClaimPort(store, lost_attempts={lost}))
+    ports = fake_ports(store, claims=MisbehavingClaimPort(store, lost_attempts={lost}))
     result = run(ports)
     assert [c.attempt_id for c in claims_of(ports)] == [lost, other]
     assert [o.attempt_id for o in result.offers] == [other]
@@ -460,7 +461,7 @@ def test_a_cas_version_conflict_stops_the_candidate() -> None:
     store.add_worker()
     store.add_worker()
     enqueue(store)
-    ports = fake_ports(store, claims=_RivalCommitsFirst(store))  # type: ignore[arg-type]
+    ports = fake_ports(store, claims=_RivalCommitsFirst(store))
     result = run(ports)
     assert len(claims_of(ports)) == 1
     assert (result.status, result.reason, result.offers) == (
@@ -542,7 +543,7 @@ def test_recovery_budget_exhausted_without_offers_is_truncated_and_reads_no_cand
     store = FakeStore()
     store.add_worker()
     enqueue(store)
-    ports = fake_ports(store, recovery=_EmptyPagesForever())  # type: ignore[arg-type]
+    ports = fake_ports(store, recovery=_EmptyPagesForever())
     result = run(ports)
     assert (result.status, result.reason, result.truncated) == (
         CycleStatus.TRUNCATED,
@@ -606,7 +607,7 @@ def test_an_invalid_or_mismatched_spec_is_rejected_before_any_claim(patch: objec
     store = FakeStore()
     store.add_worker(executor_types=("process", "docker"))
     enqueue(store)
-    ports = fake_ports(store, plans=FakePlanSource(store, spec_patch=patch))  # type: ignore[arg-type]
+    ports = fake_ports(store, plans=MisbehavingPlanSource(store, spec_patch=patch))  # type: ignore[arg-type]
     result = run(ports)
     assert (result.status, result.reason, result.offers) == (
         CycleStatus.NO_MATCH,
@@ -637,7 +638,7 @@ def test_a_missing_plan_skips_the_candidate() -> None:
     store = FakeStore()
     store.add_worker()
     [(run_id, _)] = enqueue(store)
-    ports = fake_ports(store, plans=FakePlanSource(store, unavailable_runs={run_id}))
+    ports = fake_ports(store, plans=MisbehavingPlanSource(store, unavailable_runs={run_id}))
     result = run(ports)
     assert (result.status, result.reason, result.counts.plans_built) == (
         CycleStatus.NO_MATCH,
@@ -651,7 +652,7 @@ def test_a_bad_candidate_does_not_block_the_next_one() -> None:
     store = FakeStore()
     store.add_worker()
     [(bad_run, _), (_, good_attempt)] = enqueue(store, 2)
-    ports = fake_ports(store, plans=FakePlanSource(store, unavailable_runs={bad_run}))
+    ports = fake_ports(store, plans=MisbehavingPlanSource(store, unavailable_runs={bad_run}))
     result = run(ports)
     assert [o.attempt_id for o in result.offers] == [good_attempt]
 
@@ -664,7 +665,7 @@ def test_unknown_spec_fields_are_stripped_from_the_offer_and_digest() -> None:
     def add_debug(_: Candidate, spec: dict[str, object]) -> dict[str, object]:
         return {**spec, "debug": CANARY}
 
-    result = run(fake_ports(store, plans=FakePlanSource(store, spec_patch=add_debug)))
+    result = run(fake_ports(store, plans=MisbehavingPlanSource(store, spec_patch=add_debug)))
     [offer] = result.offers
     assert "debug" not in offer.spec
     lease = store.active_lease_for(attempt_id)
@@ -974,7 +975,7 @@ def test_a_draining_session_still_gets_its_lease_back() -> None:
 def test_an_expired_lease_from_the_port_rejects_the_cycle() -> None:
     store, _ = claimed_store(1)
     store.advance(DispatchBudget().lease_ttl_s + 1)
-    ports = fake_ports(store, recovery=FakeLeaseRecoverySource(store, include_expired=True))
+    ports = fake_ports(store, recovery=MisbehavingLeaseRecoverySource(store, include_expired=True))
     result = run(ports)
     assert (result.status, result.reason, result.offers) == (
         CycleStatus.REJECTED,
@@ -987,7 +988,7 @@ def test_an_expired_lease_from_the_port_rejects_the_cycle() -> None:
 def test_another_sessions_lease_in_session_scope_rejects_the_cycle() -> None:
     store, _ = claimed_store(1)
     me = store.add_worker()
-    ports = fake_ports(store, recovery=FakeLeaseRecoverySource(store, ignore_scope=True))
+    ports = fake_ports(store, recovery=MisbehavingLeaseRecoverySource(store, ignore_scope=True))
     result = run(ports, scope=DispatchScope.for_session(me), pull=PULL)
     assert (result.status, result.reason) == (
         CycleStatus.REJECTED,
@@ -1039,7 +1040,7 @@ def test_recovery_with_a_rewritten_revision_fails_closed() -> None:
 def test_recovery_with_an_identity_drift_fails_closed() -> None:
     store, _ = claimed_store(1)
     after_backoff(store)
-    result = run(fake_ports(store, plans=FakePlanSource(store, spec_patch=_other_revision)))
+    result = run(fake_ports(store, plans=MisbehavingPlanSource(store, spec_patch=_other_revision)))
     assert (result.status, result.reason) == (CycleStatus.REJECTED, CycleReason.RECOVERY_SPEC_DRIFT)
 
 
@@ -1067,7 +1068,7 @@ def test_a_broken_recovery_page_fails_closed_without_offers(
 ) -> None:
     store, _ = claimed_store(5)
     after_backoff(store)
-    ports = fake_ports(store, recovery=FakeLeaseRecoverySource(store, **knob))
+    ports = fake_ports(store, recovery=MisbehavingLeaseRecoverySource(store, **knob))
     result = run(ports, budget={"recovery_page_size": 2, "recovery_max_pages": 3})
     assert (result.status, result.reason, result.offers) == (CycleStatus.REJECTED, reason, ())
     assert result.counts.recovered == 0
