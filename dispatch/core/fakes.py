@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 
 from dispatch.core.budget import HARD_CAPS
+from dispatch.core.errors import SpecError
 from dispatch.core.ports import (
     Candidate,
     CandidateSource,
@@ -48,6 +49,7 @@ from dispatch.core.spec import TaskDefinition, build_spec, validate_task_definit
 
 __all__ = [
     "DEFAULT_NOW",
+    "MAX_DELIVERIES_REASON",
     "FakeCandidateSource",
     "FakeClaimPort",
     "FakeClock",
@@ -83,6 +85,18 @@ class FakeClock:
 
 # ---------------------------------------------------------------- store rows
 
+# The lease end reason of a revoke after max_deliveries pulls without a
+# `starting` ACK; the claim never hands that Attempt to that Session again.
+MAX_DELIVERIES_REASON: Final = "max_deliveries"
+# Runs that hold a place in their Project's `max_concurrent_runs` quota.
+_QUOTA_RUN_STATES: Final = frozenset({"dispatching", "running"})
+
+
+@dataclass
+class FakeProject:
+    project_id: str
+    max_concurrent_runs: int = 0  # 0: no quota
+
 
 @dataclass
 class FakeTask:
@@ -109,6 +123,10 @@ class FakeRun:
 class FakeAttempt:
     attempt_id: str
     run_id: str
+    # Copies of the Run's, as in the database: candidates and recovered leases
+    # order by the Attempt's own copy.
+    priority: int
+    queued_at: datetime
     state: str = "pending"  # pending | claimed | starting | ...
     version: int = 1
     lease_generation: int = 0
@@ -118,6 +136,7 @@ class FakeAttempt:
 class FakeSession:
     session_id: str
     generation: int
+    slots: int
     state: str = "online"  # online | draining | offline | replaced
 
 
@@ -148,6 +167,7 @@ class FakeLease:
     claimed_at: datetime
     expires_at: datetime
     state: str = "active"  # active | released | expired | revoked
+    end_reason: str = ""
     delivery_count: int = 0
     last_delivered_at: datetime | None = None
 
@@ -157,6 +177,7 @@ class FakeStore:
 
     def __init__(self, now: datetime = DEFAULT_NOW) -> None:
         self.clock = FakeClock(now)
+        self.projects: dict[str, FakeProject] = {}
         self.tasks: dict[str, FakeTask] = {}
         self.runs: dict[str, FakeRun] = {}
         self.attempts: dict[str, FakeAttempt] = {}
@@ -174,28 +195,35 @@ class FakeStore:
         self._next[kind] = value + 1
         return str(value)
 
-    def _new_session(self, generation: int) -> FakeSession:
+    def _new_session(self, generation: int, slots: int) -> FakeSession:
         number = self._next_session
         self._next_session += 1
-        return FakeSession(f"00000000-0000-4000-8000-{number:012d}", generation)
+        return FakeSession(f"00000000-0000-4000-8000-{number:012d}", generation, slots)
 
-    # -- tasks and runs -------------------------------------------------------------
+    # -- projects, tasks and runs ---------------------------------------------------
 
     def add_task(
         self,
         *,
         definition: Mapping[str, object] | TaskDefinition,
         project_id: str | None = None,
+        max_concurrent_runs: int = 0,
     ) -> tuple[str, str, int]:
-        """A Task at revision 1; returns (project_id, task_id, revision)."""
+        """A Task at revision 1 (in a new Project unless `project_id` names one);
+        returns (project_id, task_id, revision)."""
+        if project_id is None:
+            project_id = self._new_id("project")
+            self.projects[project_id] = FakeProject(project_id, max_concurrent_runs)
+        else:
+            self.projects.setdefault(project_id, FakeProject(project_id, max_concurrent_runs))
         task_id = self._new_id("task")
         self.tasks[task_id] = FakeTask(
-            project_id=project_id or self._new_id("project"),
+            project_id=project_id,
             task_id=task_id,
             revisions={1: _definition(definition)},
             current_revision=1,
         )
-        return self.tasks[task_id].project_id, task_id, 1
+        return project_id, task_id, 1
 
     def edit_task(self, task_id: str, definition: Mapping[str, object] | TaskDefinition) -> int:
         """An edit is a new immutable revision; existing Runs stay pinned."""
@@ -225,6 +253,7 @@ class FakeStore:
         task = self.tasks[task_id]
         pinned = task.current_revision if revision is None else revision
         run_id, attempt_id = self._new_id("run"), self._new_id("attempt")
+        queued = self.clock.now() if queued_at is None else queued_at
         self.runs[run_id] = FakeRun(
             run_id=run_id,
             project_id=task.project_id,
@@ -232,19 +261,34 @@ class FakeStore:
             task_revision=pinned,
             executor_type=task.revisions[pinned].executor_type,
             priority=priority,
-            queued_at=self.clock.now() if queued_at is None else queued_at,
+            queued_at=queued,
         )
-        self.attempts[attempt_id] = FakeAttempt(attempt_id=attempt_id, run_id=run_id)
+        self.attempts[attempt_id] = FakeAttempt(
+            attempt_id=attempt_id, run_id=run_id, priority=priority, queued_at=queued
+        )
         return run_id, attempt_id
 
     def cancel_run(self, run_id: str) -> None:
         self.runs[run_id].cancel_requested = True
 
     def start_attempt(self, attempt_id: str) -> None:
-        """The `starting` ACK: from here the spec is never re-delivered (ADR §5)."""
+        """The `starting` ACK: from here the spec is never re-delivered (docs/adr/0002)."""
         attempt = self.attempts[attempt_id]
         attempt.state = "starting"
         attempt.version += 1
+        self.runs[attempt.run_id].state = "running"
+
+    def project_has_room(self, project_id: str) -> bool:
+        """`max_concurrent_runs`: dispatching and running Runs hold a place."""
+        limit = self.projects[project_id].max_concurrent_runs
+        if not limit:
+            return True
+        busy = sum(
+            1
+            for run in self.runs.values()
+            if run.project_id == project_id and run.state in _QUOTA_RUN_STATES
+        )
+        return busy < limit
 
     # -- workers ------------------------------------------------------------------
 
@@ -254,16 +298,21 @@ class FakeStore:
         executor_types: Iterable[str] = ("process",),
         labels: Mapping[str, str] | None = None,
         slots: int = 1,
+        session_slots: int | None = None,
         worker_id: str | None = None,
     ) -> SessionRef:
-        """A Worker with one online Session (generation 1)."""
+        """A Worker with one online Session (generation 1).
+
+        The Session asks for `session_slots` (default: the Worker's) and gets at
+        most the Worker's, as a Session open does.
+        """
         wid = worker_id if worker_id is not None else self._new_id("worker")
         self.workers[wid] = FakeWorker(
             worker_id=wid,
             executor_types=frozenset(executor_types),
             labels=dict(labels or {}),
             slots=slots,
-            session=self._new_session(1),
+            session=self._new_session(1, min(session_slots or slots, slots)),
         )
         return self.session_ref(wid)
 
@@ -273,13 +322,15 @@ class FakeStore:
             raise KeyError(worker_id)
         return SessionRef(worker_id, session.session_id, session.generation)
 
-    def replace_session(self, worker_id: str) -> SessionRef:
+    def replace_session(self, worker_id: str, *, slots: int | None = None) -> SessionRef:
         """Open a new Session: the old one is fenced (state replaced)."""
         worker = self.workers[worker_id]
         old = worker.session
         if old is not None:
             old.state = "replaced"
-        worker.session = self._new_session((old.generation if old else 0) + 1)
+        worker.session = self._new_session(
+            (old.generation if old else 0) + 1, min(slots or worker.slots, worker.slots)
+        )
         return self.session_ref(worker_id)
 
     def set_session_state(self, worker_id: str, state: str) -> None:
@@ -288,6 +339,7 @@ class FakeStore:
             session.state = state
 
     def free_slots(self, worker_id: str) -> int:
+        """min(Session slots, Worker slots) minus the Session's active leases."""
         worker = self.workers[worker_id]
         session = worker.session
         if session is None:
@@ -300,7 +352,7 @@ class FakeStore:
             and lease.session_id == session.session_id
             and lease.session_generation == session.generation
         )
-        return max(0, worker.slots - busy)
+        return max(0, min(session.slots, worker.slots) - busy)
 
     def is_current_session(self, ref: SessionRef, states: Collection[str]) -> bool:
         worker = self.workers.get(ref.worker_id)
@@ -315,7 +367,7 @@ class FakeStore:
     # -- leases -------------------------------------------------------------------
 
     def record_delivery(self, lease_id: str, at: datetime | None = None) -> None:
-        """Telemetry only (DESIGN §2); feeds the redelivery backoff filter."""
+        """Telemetry only (docs/adr/0002); feeds the redelivery backoff filter."""
         lease = self.leases[lease_id]
         lease.delivery_count += 1
         lease.last_delivered_at = self.clock.now() if at is None else at
@@ -323,17 +375,47 @@ class FakeStore:
     def expire_leases(self) -> int:
         """The expiry sweeper: a claimed Attempt goes back to pending."""
         now = self.clock.now()
-        expired = 0
-        for lease in self.leases.values():
-            if lease.state == "active" and lease.expires_at <= now:
-                lease.state = "expired"
-                expired += 1
-                attempt = self.attempts[lease.attempt_id]
-                if attempt.state == "claimed":
-                    attempt.state = "pending"
-                    attempt.version += 1
-                    self.runs[attempt.run_id].state = "queued"
-        return expired
+        expired = [
+            lease
+            for lease in self.leases.values()
+            if lease.state == "active" and lease.expires_at <= now
+        ]
+        for lease in expired:
+            self._end_lease(lease, "expired", reason="lease_expired")
+        return len(expired)
+
+    def revoke_lease(self, lease_id: str, *, reason: str) -> bool:
+        """Revoke one active lease; False when it had already ended."""
+        lease = self.leases[lease_id]
+        if lease.state != "active":
+            return False
+        self._end_lease(lease, "revoked", reason=reason)
+        return True
+
+    def revoke_over_delivered(self, *, max_deliveries: int) -> int:
+        """The over-delivery sweep: claimed leases pulled `max_deliveries` times."""
+        over = [
+            lease
+            for lease in self.leases.values()
+            if lease.state == "active"
+            and lease.delivery_count >= max_deliveries
+            and self.attempts[lease.attempt_id].state == "claimed"
+        ]
+        for lease in over:
+            self._end_lease(lease, "revoked", reason=MAX_DELIVERIES_REASON)
+        return len(over)
+
+    def _end_lease(self, lease: FakeLease, state: str, *, reason: str) -> None:
+        # Only a claimed Attempt is modelled: it returns to pending and its Run
+        # to queued. (A started one is lost and the retry policy decides; the
+        # dispatcher never sees it again, so the fakes do not model it.)
+        lease.state = state
+        lease.end_reason = reason
+        attempt = self.attempts[lease.attempt_id]
+        if attempt.lease_generation == lease.lease_generation and attempt.state == "claimed":
+            attempt.state = "pending"
+            attempt.version += 1
+            self.runs[attempt.run_id].state = "queued"
 
     def active_lease_for(self, attempt_id: str) -> FakeLease | None:
         return next(
@@ -368,13 +450,13 @@ class FakeStore:
         self.leases[lease_id] = lease
         return lease
 
-    # -- the StoreBuilder surface of dispatch.tests.contract ------------------------
+    # -- the surface the contract suite's store builder uses ------------------------
 
     def advance(self, seconds: float) -> datetime:
         return self.clock.advance(seconds)
 
-    def ports(self, **overrides: Any) -> DispatchPorts:
-        return fake_ports(self, **overrides)
+    def ports(self) -> DispatchPorts:
+        return fake_ports(self)
 
 
 def _definition(value: Mapping[str, object] | TaskDefinition) -> TaskDefinition:
@@ -517,8 +599,8 @@ class FakeLeaseRecoverySource(_PagedSource):
             task_id=run.task_id,
             task_revision=run.task_revision,
             executor_type=run.executor_type,
-            priority=run.priority,
-            queued_at=run.queued_at,
+            priority=attempt.priority,
+            queued_at=attempt.queued_at,
             worker_id=lease.worker_id,
             session_id=lease.session_id,
             session_generation=lease.session_generation,
@@ -574,8 +656,8 @@ class FakeCandidateSource(_PagedSource):
                 task_id=run.task_id,
                 task_revision=run.task_revision,
                 executor_type=run.executor_type,
-                priority=run.priority,
-                queued_at=run.queued_at,
+                priority=attempt.priority,
+                queued_at=attempt.queued_at,
                 attempt_version=attempt.version,
                 lease_generation=attempt.lease_generation,
             )
@@ -641,30 +723,44 @@ class FakePlanSource:
         run = self.store.runs.get(candidate.run_id)
         attempt = self.store.attempts.get(candidate.attempt_id)
         if run is None or attempt is None or attempt.run_id != run.run_id:
-            raise PlanUnavailable(candidate.run_id)
+            raise PlanUnavailable("the attempt or its run is gone")
+        # The Run is pinned to one revision; a candidate built from another one
+        # is never materialized from whatever is there now.
+        if run.task_revision != candidate.task_revision:
+            raise PlanUnavailable("the pinned revision does not match the candidate")
         definition = self.store.tasks[run.task_id].revisions.get(run.task_revision)
         if definition is None:
-            raise PlanUnavailable(candidate.run_id)
-        return DispatchPlan(
-            run_id=run.run_id,
-            attempt_id=attempt.attempt_id,
-            project_id=run.project_id,
-            task_id=run.task_id,
-            task_revision=run.task_revision,
-            spec=build_spec(
+            raise PlanUnavailable("the pinned revision is gone")
+        try:
+            spec = build_spec(
                 run_id=run.run_id,
                 attempt_id=attempt.attempt_id,
                 project_id=run.project_id,
                 task_id=run.task_id,
                 task_revision=run.task_revision,
                 definition=definition,
-            ),
+            )
+        except SpecError:
+            # A stored revision the shared validator now refuses (docs/adr/0002).
+            raise PlanUnavailable("the pinned revision is not valid") from None
+        return DispatchPlan(
+            run_id=run.run_id,
+            attempt_id=attempt.attempt_id,
+            project_id=run.project_id,
+            task_id=run.task_id,
+            task_revision=run.task_revision,
+            spec=spec,
             placement=definition.placement,
         )
 
 
 class FakeClaimPort:
-    """The claim transaction (docs/adr/0002), against the store."""
+    """The claim transaction (docs/adr/0002), against the store.
+
+    The checks run in the database claim's order, so a request that breaks
+    several rules gets the same answer from both (the contract suite's claim
+    section holds them to it).
+    """
 
     def __init__(self, store: FakeStore) -> None:
         self.store = store
@@ -676,27 +772,50 @@ class FakeClaimPort:
 
     def _claim(self, request: ClaimRequest) -> ClaimOutcome:
         store = self.store
+        lost = ClaimOutcome(ClaimStatus.ATTEMPT_LOST)
+        unavailable = ClaimOutcome(ClaimStatus.WORKER_UNAVAILABLE)
+        run = store.runs.get(request.run_id)
+        if run is None or run.state != "queued" or run.cancel_requested:
+            return lost
         attempt = store.attempts.get(request.attempt_id)
         if (
             attempt is None
-            or attempt.run_id != request.run_id
+            or attempt.run_id != run.run_id
             or attempt.state != "pending"
             or attempt.version != request.expected_version
             or request.lease_generation != attempt.lease_generation + 1
         ):
-            return ClaimOutcome(ClaimStatus.ATTEMPT_LOST)
-        run = store.runs[attempt.run_id]
-        if run.state != "queued" or run.cancel_requested:
-            return ClaimOutcome(ClaimStatus.ATTEMPT_LOST)
+            return lost
+        if not store.project_has_room(run.project_id):
+            return lost
         ref = SessionRef(request.worker_id, request.session_id, request.session_generation)
         worker = store.workers.get(request.worker_id)
         if (
             worker is None
             or worker.admin_state != "active"
             or not store.is_current_session(ref, ("online",))
-            or store.free_slots(request.worker_id) <= 0
         ):
-            return ClaimOutcome(ClaimStatus.WORKER_UNAVAILABLE)
+            return unavailable
+        session_leases = [
+            lease
+            for lease in store.leases.values()
+            if lease.session_id == request.session_id
+            and lease.session_generation == request.session_generation
+        ]
+        if request.pull_id is not None and any(
+            lease.pull_id == request.pull_id and lease.token_digest != request.token_digest
+            for lease in session_leases
+        ):
+            # One pull id, one token (docs/adr/0003).
+            return unavailable
+        if any(
+            lease.attempt_id == attempt.attempt_id and lease.end_reason == MAX_DELIVERIES_REASON
+            for lease in session_leases
+        ):
+            # Over-delivered to this Session: never back to it.
+            return lost
+        if store.free_slots(request.worker_id) <= 0:
+            return unavailable
         attempt.state = "claimed"
         attempt.version += 1
         attempt.lease_generation = request.lease_generation

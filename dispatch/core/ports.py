@@ -296,7 +296,24 @@ class RunDispatchPlanSource(Protocol):
 
 class ClaimPort(Protocol):
     def claim(self, request: ClaimRequest) -> ClaimOutcome:
-        """The one atomic write of a lease (DESIGN §3 "Claim")."""
+        """The one atomic write of a lease (docs/adr/0002), checked in this order:
+
+        1. ATTEMPT_LOST unless the Run is queued and not cancel_requested, and
+           the Attempt is that Run's, pending, at `expected_version`, with
+           `lease_generation` = its last generation + 1;
+        2. ATTEMPT_LOST when the Run's Project has a `max_concurrent_runs`
+           quota and that many of its Runs are dispatching or running;
+        3. WORKER_UNAVAILABLE unless the Session is the Worker's current ONLINE
+           Session at `session_generation` and the Worker is active;
+        4. WORKER_UNAVAILABLE when this Session already has a lease with this
+           `pull_id` and another token (one pull id, one token: docs/adr/0003);
+        5. ATTEMPT_LOST when this Session had a lease of this Attempt revoked
+           for max_deliveries (never handed back to that Session);
+        6. WORKER_UNAVAILABLE when the Session's active leases already fill
+           min(Session slots, Worker slots);
+        7. else WON: Attempt claimed, Run dispatching, lease active until
+           now + `lease_ttl_s`.
+        """
         ...
 
 

@@ -20,23 +20,29 @@ from dispatch.core.fakes import FakeStore, fake_ports
 from dispatch.core.offer import derive_lease_token, offer_id_for, token_digest
 from dispatch.core.ports import (
     NEW_CLAIM,
+    PULL_CLAIM,
     Candidate,
+    ClaimOutcome,
     ClaimRequest,
     ClaimStatus,
     DispatchPorts,
+    PullCredential,
     SessionRef,
 )
 from dispatch.core.spec import spec_sha256
 from dispatch.models import RunLease
-from dispatch.services import AckPhase, lease_ack, leases_record_delivery
+from dispatch.services import AckPhase, lease_ack, lease_revoke, leases_record_delivery
+from dispatch.sweeps import sweep_over_delivered_leases
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, Run, Task
-from runs.services import run_cancel, run_enqueue
+from runs.services import Outcome, project_create, run_cancel, run_enqueue, task_update
 from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 from workers.services import session_open
 
 LEASE_TTL_S = 60
+# An operator's revoke: unlike an over-delivery revoke, it bars nobody.
+REVOKE_REASON = "operator_revoke"
 
 
 @dataclass(frozen=True)
@@ -52,53 +58,103 @@ class StoreBuilder(Protocol):
 
     def ports(self) -> DispatchPorts: ...
     def now(self) -> datetime: ...
-    def add_task(self, *, executor_type: str = "process") -> str: ...
+    def add_task(self, *, executor_type: str = "process", max_concurrent_runs: int = 0) -> str:
+        """A Task in a Project of its own (`max_concurrent_runs` 0: no quota)."""
+        ...
+
+    def edit_task(self, task: str) -> None:
+        """A new revision; existing Runs stay pinned to theirs."""
+        ...
+
     def add_run(self, task: str, *, priority: int = 0, queued_at: datetime) -> tuple[str, str]: ...
-    def add_worker(self, *, slots: int = 2, labels: dict[str, str] | None = None) -> SessionRef: ...
+    def add_worker(
+        self,
+        *,
+        slots: int = 2,
+        labels: dict[str, str] | None = None,
+        session_slots: int | None = None,
+    ) -> SessionRef: ...
     def replace_session(self, worker_id: str) -> SessionRef: ...
     def set_session_state(self, worker_id: str, state: str) -> None: ...
     def set_worker_admin_state(self, worker_id: str, state: str) -> None: ...
+    def set_worker_slots(self, worker_id: str, slots: int) -> None: ...
     def cancel_run(self, run_id: str) -> None: ...
     def start(self, attempt_id: str, claimed: Claimed) -> None: ...
     def record_delivery(self, lease_id: str, at: datetime) -> None: ...
+    def revoke(self, lease_id: str) -> None: ...
+    def revoke_over_delivered(self, *, max_deliveries: int) -> int: ...
 
 
 def claim(builder: StoreBuilder, attempt_id: str, ref: SessionRef) -> Claimed:
     """Claim an Attempt through the store's own ports, exactly as the cycle would."""
-    ports = builder.ports()
-    candidate = _find_candidate(ports, attempt_id)
-    plan = ports.plans.prepare(candidate)
-    generation = candidate.lease_generation + 1
+    request, token = claim_request(builder, candidate_of(builder, attempt_id), ref)
+    outcome = builder.ports().claims.claim(request)
+    assert outcome.status is ClaimStatus.WON, outcome
+    assert outcome.lease_id is not None
+    return Claimed(outcome.lease_id, token)
+
+
+def try_claim(
+    builder: StoreBuilder,
+    candidate: Candidate,
+    ref: SessionRef,
+    *,
+    pull: PullCredential | None = None,
+    lease_generation: int | None = None,
+) -> ClaimOutcome:
+    """One claim of a candidate read earlier (it may be stale by now: a lost race)."""
+    request, _ = claim_request(
+        builder, candidate, ref, pull=pull, lease_generation=lease_generation
+    )
+    return builder.ports().claims.claim(request)
+
+
+def claim_request(
+    builder: StoreBuilder,
+    candidate: Candidate,
+    ref: SessionRef,
+    *,
+    pull: PullCredential | None = None,
+    lease_generation: int | None = None,
+) -> tuple[ClaimRequest, str]:
+    """The ClaimRequest `dispatch_once` would send (global scope, or a pull's);
+    returns it and the lease token."""
+    plan = builder.ports().plans.prepare(candidate)
+    generation = candidate.lease_generation + 1 if lease_generation is None else lease_generation
     offer_id = offer_id_for(
-        attempt_id=attempt_id,
+        attempt_id=candidate.attempt_id,
         lease_generation=generation,
         worker_id=ref.worker_id,
         session_id=ref.session_id,
         session_generation=ref.session_generation,
     )
-    token = derive_lease_token(str(settings.QINGLONG_LEASE_SECRET).encode(), offer_id)
-    outcome = ports.claims.claim(
-        ClaimRequest(
-            attempt_id=attempt_id,
-            run_id=candidate.run_id,
-            expected_version=candidate.attempt_version,
-            lease_generation=generation,
-            worker_id=ref.worker_id,
-            session_id=ref.session_id,
-            session_generation=ref.session_generation,
-            offer_id=offer_id,
-            token_digest=token_digest(token),
-            spec_sha256=spec_sha256(plan.spec),
-            placement_score=0,
-            source=NEW_CLAIM,
-            pull_id=None,
-            lease_ttl_s=LEASE_TTL_S,
-            skip_locked=False,
-        )
+    if pull is None:
+        token = derive_lease_token(str(settings.QINGLONG_LEASE_SECRET).encode(), offer_id)
+    else:
+        token = pull.token
+    request = ClaimRequest(
+        attempt_id=candidate.attempt_id,
+        run_id=candidate.run_id,
+        expected_version=candidate.attempt_version,
+        lease_generation=generation,
+        worker_id=ref.worker_id,
+        session_id=ref.session_id,
+        session_generation=ref.session_generation,
+        offer_id=offer_id,
+        token_digest=token_digest(token),
+        spec_sha256=spec_sha256(plan.spec),
+        placement_score=0,
+        source=NEW_CLAIM if pull is None else PULL_CLAIM,
+        pull_id=None if pull is None else pull.pull_id,
+        lease_ttl_s=LEASE_TTL_S,
+        skip_locked=False,
     )
-    assert outcome.status is ClaimStatus.WON, outcome
-    assert outcome.lease_id is not None
-    return Claimed(outcome.lease_id, token)
+    return request, token
+
+
+def candidate_of(builder: StoreBuilder, attempt_id: str) -> Candidate:
+    """The Attempt as the candidate source lists it now."""
+    return _find_candidate(builder.ports(), attempt_id)
 
 
 def _find_candidate(ports: DispatchPorts, attempt_id: str) -> Candidate:
@@ -129,17 +185,27 @@ class FakeStoreBuilder:
     def now(self) -> datetime:
         return self.store.clock.now()
 
-    def add_task(self, *, executor_type: str = "process") -> str:
+    def add_task(self, *, executor_type: str = "process", max_concurrent_runs: int = 0) -> str:
         _, task_id, _ = self.store.add_task(
-            definition=testing.definition(executor_type=executor_type)
+            definition=testing.definition(executor_type=executor_type),
+            max_concurrent_runs=max_concurrent_runs,
         )
         return task_id
+
+    def edit_task(self, task: str) -> None:
+        self.store.edit_task(task, testing.definition(command=["echo", "revised"]))
 
     def add_run(self, task: str, *, priority: int = 0, queued_at: datetime) -> tuple[str, str]:
         return self.store.add_run(task_id=task, priority=priority, queued_at=queued_at)
 
-    def add_worker(self, *, slots: int = 2, labels: dict[str, str] | None = None) -> SessionRef:
-        return self.store.add_worker(slots=slots, labels=labels)
+    def add_worker(
+        self,
+        *,
+        slots: int = 2,
+        labels: dict[str, str] | None = None,
+        session_slots: int | None = None,
+    ) -> SessionRef:
+        return self.store.add_worker(slots=slots, labels=labels, session_slots=session_slots)
 
     def replace_session(self, worker_id: str) -> SessionRef:
         return self.store.replace_session(worker_id)
@@ -150,6 +216,9 @@ class FakeStoreBuilder:
     def set_worker_admin_state(self, worker_id: str, state: str) -> None:
         self.store.workers[worker_id].admin_state = state
 
+    def set_worker_slots(self, worker_id: str, slots: int) -> None:
+        self.store.workers[worker_id].slots = slots
+
     def cancel_run(self, run_id: str) -> None:
         self.store.cancel_run(run_id)
 
@@ -158,6 +227,12 @@ class FakeStoreBuilder:
 
     def record_delivery(self, lease_id: str, at: datetime) -> None:
         self.store.record_delivery(lease_id, at)
+
+    def revoke(self, lease_id: str) -> None:
+        assert self.store.revoke_lease(lease_id, reason=REVOKE_REASON)
+
+    def revoke_over_delivered(self, *, max_deliveries: int) -> int:
+        return self.store.revoke_over_delivered(max_deliveries=max_deliveries)
 
 
 # -------------------------------------------------------------------------- ORM
@@ -174,8 +249,19 @@ class OrmStoreBuilder:
     def now(self) -> datetime:
         return db_now()
 
-    def add_task(self, *, executor_type: str = "process") -> str:
-        return str(testing.make_task(executor_type=executor_type).pk)
+    def add_task(self, *, executor_type: str = "process", max_concurrent_runs: int = 0) -> str:
+        project = project_create(
+            slug=f"contract-{uuid.uuid4().hex[:12]}",
+            name="Contract project",
+            max_concurrent_runs=max_concurrent_runs,
+        )
+        return str(testing.make_task(project, executor_type=executor_type).pk)
+
+    def edit_task(self, task: str) -> None:
+        task_update(
+            task=Task.objects.get(pk=int(task)),
+            definition=testing.definition(command=["echo", "revised"]),
+        )
 
     def add_run(self, task: str, *, priority: int = 0, queued_at: datetime) -> tuple[str, str]:
         run = run_enqueue(
@@ -183,9 +269,15 @@ class OrmStoreBuilder:
         )
         return str(run.pk), str(testing.pending_attempt(run).pk)
 
-    def add_worker(self, *, slots: int = 2, labels: dict[str, str] | None = None) -> SessionRef:
+    def add_worker(
+        self,
+        *,
+        slots: int = 2,
+        labels: dict[str, str] | None = None,
+        session_slots: int | None = None,
+    ) -> SessionRef:
         worker, _ = testing.make_worker(slots=slots, labels=labels)
-        return _ref(testing.open_session(worker).session)
+        return _ref(testing.open_session(worker, slots=session_slots).session)
 
     def replace_session(self, worker_id: str) -> SessionRef:
         worker = Worker.objects.get(pk=int(worker_id))
@@ -205,6 +297,9 @@ class OrmStoreBuilder:
     def set_worker_admin_state(self, worker_id: str, state: str) -> None:
         Worker.objects.filter(pk=int(worker_id)).update(admin_state=state)
 
+    def set_worker_slots(self, worker_id: str, slots: int) -> None:
+        Worker.objects.filter(pk=int(worker_id)).update(slots=slots)
+
     def cancel_run(self, run_id: str) -> None:
         run_cancel(run=Run.objects.get(pk=int(run_id)))
 
@@ -221,6 +316,12 @@ class OrmStoreBuilder:
 
     def record_delivery(self, lease_id: str, at: datetime) -> None:
         leases_record_delivery([lease_id], now=at)
+
+    def revoke(self, lease_id: str) -> None:
+        assert lease_revoke(int(lease_id), reason=REVOKE_REASON) is Outcome.APPLIED
+
+    def revoke_over_delivered(self, *, max_deliveries: int) -> int:
+        return sweep_over_delivered_leases(max_deliveries=max_deliveries).applied
 
 
 def _ref(session: WorkerSession) -> SessionRef:
@@ -241,7 +342,10 @@ __all__ = [
     "OrmStoreBuilder",
     "StoreBuilder",
     "WorkerAdminState",
+    "candidate_of",
     "claim",
+    "claim_request",
     "seconds",
+    "try_claim",
     "unknown_session",
 ]

@@ -15,10 +15,12 @@ from typing import TypeVar
 import pytest
 
 from dispatch.core.ports import (
+    ClaimStatus,
     DispatchPorts,
     DispatchScope,
     Page,
     PlanUnavailable,
+    PullCredential,
     RecoverableLease,
     SessionRef,
     WorkerRecord,
@@ -26,12 +28,15 @@ from dispatch.core.ports import (
 )
 from dispatch.core.spec import validate_spec
 from dispatch.tests.stores import (
+    LEASE_TTL_S,
     Claimed,
     FakeStoreBuilder,
     OrmStoreBuilder,
     StoreBuilder,
+    candidate_of,
     claim,
     seconds,
+    try_claim,
     unknown_session,
 )
 
@@ -383,12 +388,275 @@ def test_plan_for_a_missing_attempt_or_other_revision_is_unavailable(
     (candidate,) = ports.candidates.candidate_page(cursor=None, limit=8).items
     with pytest.raises(PlanUnavailable):
         ports.plans.prepare(dataclasses.replace(candidate, attempt_id="999999"))
-    # Another revision than the pinned one is never materialized: the ORM says
-    # PlanUnavailable; the fake builds the pinned plan, whose identity the core
-    # then rejects (ADR §2 step 5). Either way nothing of revision 2 is offered.
-    try:
-        plan = ports.plans.prepare(dataclasses.replace(candidate, task_revision=2))
-    except PlanUnavailable:
-        return
-    assert plan.task_revision == 1
-    assert validate_spec(plan.spec)["task_revision"] == 1
+    # Another revision than the pinned one is never materialized, even once it
+    # exists: nothing of revision 2 is built for a Run pinned to revision 1.
+    with pytest.raises(PlanUnavailable):
+        ports.plans.prepare(dataclasses.replace(candidate, task_revision=2))
+    store.edit_task(task)
+    with pytest.raises(PlanUnavailable):
+        ports.plans.prepare(dataclasses.replace(candidate, task_revision=2))
+    assert validate_spec(ports.plans.prepare(candidate).spec)["task_revision"] == 1
+
+
+def test_free_slots_are_the_smaller_of_session_and_worker_slots(store: StoreBuilder) -> None:
+    task = store.add_task()
+    narrow_session = store.add_worker(slots=3, session_slots=1)
+    narrowed_worker = store.add_worker(slots=3)
+    store.set_worker_slots(narrowed_worker.worker_id, 2)
+    claim(store, store.add_run(task, queued_at=store.now())[1], narrowed_worker)
+    records = {w.worker_id: w.free_slots for w in all_workers(store.ports())}
+    assert records == {narrow_session.worker_id: 1, narrowed_worker.worker_id: 1}
+
+
+# ---------------------------------------------------------------------- claims
+#
+# The claim port's contract (`dispatch.core.ports.ClaimPort.claim`): the same
+# request gets the same answer from the fake and from the database, including
+# which answer wins when a request breaks several rules at once.
+
+WON, ATTEMPT_LOST, UNAVAILABLE = (
+    ClaimStatus.WON,
+    ClaimStatus.ATTEMPT_LOST,
+    ClaimStatus.WORKER_UNAVAILABLE,
+)
+
+
+def queued(store: StoreBuilder, task: str, n: int = 1) -> list[str]:
+    """`n` queued Runs of `task`, oldest first; returns their Attempt ids."""
+    t0 = store.now() - seconds(60)
+    return [store.add_run(task, queued_at=t0 + seconds(i))[1] for i in range(n)]
+
+
+def pull(n: int, token: str = "T") -> PullCredential:
+    return PullCredential(pull_id=f"6f1f7a36-0000-4000-8000-{n:012d}", token=token * 43)
+
+
+def test_a_won_claim_is_an_active_lease_and_the_attempt_leaves_the_candidates(
+    store: StoreBuilder,
+) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    (attempt,) = queued(store, task)
+    candidate = candidate_of(store, attempt)
+    before = store.now()
+    outcome = try_claim(store, candidate, ref)
+    assert outcome.status is WON and outcome.lease_id is not None
+    assert outcome.expires_at is not None
+    assert before + seconds(LEASE_TTL_S) <= outcome.expires_at <= store.now() + seconds(LEASE_TTL_S)
+    assert all_candidates(store.ports()) == []
+    (row,) = all_recoverable(store.ports(), store.now())
+    assert (row.lease_id, row.attempt_id, row.lease_generation) == (outcome.lease_id, attempt, 1)
+    assert row.session == ref
+
+
+def test_a_stale_candidate_loses_the_attempt_once_another_claim_won(store: StoreBuilder) -> None:
+    task = store.add_task()
+    a, b = store.add_worker(), store.add_worker()
+    (attempt,) = queued(store, task)
+    candidate = candidate_of(store, attempt)
+    assert try_claim(store, candidate, a).status is WON
+    # The same read, claimed again (a rival dispatcher): Run no longer queued.
+    assert try_claim(store, candidate, b).status is ATTEMPT_LOST
+    (row,) = all_recoverable(store.ports(), store.now())
+    assert row.session == a
+
+
+def test_a_version_or_generation_mismatch_loses_the_attempt(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    (attempt,) = queued(store, task)
+    candidate = candidate_of(store, attempt)
+    older = dataclasses.replace(candidate, attempt_version=candidate.attempt_version - 1)
+    assert try_claim(store, older, ref).status is ATTEMPT_LOST
+    assert try_claim(store, candidate, ref, lease_generation=2).status is ATTEMPT_LOST
+    assert try_claim(store, candidate, ref, lease_generation=0).status is ATTEMPT_LOST
+    # Nothing changed: the exact candidate still wins.
+    assert all_candidates(store.ports()) == [attempt]
+    assert try_claim(store, candidate, ref).status is WON
+
+
+def test_a_run_cancelled_after_the_read_loses_the_attempt(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    (attempt,) = queued(store, task)
+    candidate = candidate_of(store, attempt)
+    store.cancel_run(candidate.run_id)
+    assert try_claim(store, candidate, ref).status is ATTEMPT_LOST
+    assert all_recoverable(store.ports(), store.now()) == []
+
+
+@pytest.mark.parametrize(
+    "fence",
+    [
+        "replaced",
+        "offline",
+        "draining",
+        "worker_draining",
+        "worker_disabled",
+        "other_generation",
+        "unknown_session",
+        "other_worker",
+    ],
+)
+def test_a_session_that_may_not_take_claims_is_unavailable(store: StoreBuilder, fence: str) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    other = store.add_worker()
+    (attempt,) = queued(store, task)
+    candidate = candidate_of(store, attempt)
+    target = ref
+    if fence == "replaced":
+        store.replace_session(ref.worker_id)
+    elif fence in ("offline", "draining"):
+        store.set_session_state(ref.worker_id, fence)
+    elif fence.startswith("worker_"):
+        store.set_worker_admin_state(ref.worker_id, fence.removeprefix("worker_"))
+    elif fence == "other_generation":
+        target = SessionRef(ref.worker_id, ref.session_id, ref.session_generation + 1)
+    elif fence == "unknown_session":
+        target = unknown_session(ref)
+    else:
+        target = SessionRef(other.worker_id, ref.session_id, ref.session_generation)
+    assert try_claim(store, candidate, target).status is UNAVAILABLE
+    # The Attempt is untouched: still the same candidate, claimable elsewhere.
+    assert candidate_of(store, attempt) == candidate
+    assert try_claim(store, candidate, other).status is WON
+
+
+@pytest.mark.parametrize(("worker_slots", "session_slots", "narrow_to"), [(3, 1, None), (3, 3, 1)])
+def test_capacity_is_the_smaller_of_session_and_worker_slots(
+    store: StoreBuilder, worker_slots: int, session_slots: int, narrow_to: int | None
+) -> None:
+    task = store.add_task()
+    ref = store.add_worker(slots=worker_slots, session_slots=session_slots)
+    if narrow_to is not None:
+        store.set_worker_slots(ref.worker_id, narrow_to)
+    first, second = queued(store, task, 2)
+    first_claim = claim(store, first, ref)
+    assert try_claim(store, candidate_of(store, second), ref).status is UNAVAILABLE
+    # Only active leases hold a slot: once the first one ends, the slot is free.
+    store.revoke(first_claim.lease_id)
+    assert try_claim(store, candidate_of(store, second), ref).status is WON
+
+
+def test_every_active_lease_of_the_session_counts_against_its_slots(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker(slots=2)
+    first, second, third = queued(store, task, 3)
+    started = claim(store, first, ref)
+    store.start(first, started)  # a running Attempt's lease still holds its slot
+    claim(store, second, ref)
+    assert try_claim(store, candidate_of(store, third), ref).status is UNAVAILABLE
+
+
+def test_a_project_quota_counts_dispatching_and_running_runs(store: StoreBuilder) -> None:
+    task = store.add_task(max_concurrent_runs=1)
+    free_task = store.add_task()
+    ref = store.add_worker(slots=4)
+    first, second = queued(store, task, 2)
+    (elsewhere,) = queued(store, free_task)
+    first_claim = claim(store, first, ref)
+    # A free Worker slot does not help: the Project is at its quota.
+    assert try_claim(store, candidate_of(store, second), ref).status is ATTEMPT_LOST
+    # Another Project is not affected.
+    assert try_claim(store, candidate_of(store, elsewhere), ref).status is WON
+    # The first Run queued again: its place in the quota is free.
+    store.revoke(first_claim.lease_id)
+    second_claim = claim(store, second, ref)
+    # A running Run holds its place too.
+    store.start(second, second_claim)
+    assert try_claim(store, candidate_of(store, first), ref).status is ATTEMPT_LOST
+
+
+def test_one_pull_id_carries_one_token_per_session(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker(slots=4)
+    other = store.add_worker(slots=4)
+    a, b, c, d = queued(store, task, 4)
+    assert try_claim(store, candidate_of(store, a), ref, pull=pull(1, "T")).status is WON
+    # Same pull id, another token, same Session: refused.
+    assert try_claim(store, candidate_of(store, b), ref, pull=pull(1, "U")).status is UNAVAILABLE
+    # Same pull id and token: the same pull claiming a second offer.
+    assert try_claim(store, candidate_of(store, b), ref, pull=pull(1, "T")).status is WON
+    # A fresh pull id with another token is fine, and so is another Session.
+    assert try_claim(store, candidate_of(store, c), ref, pull=pull(2, "U")).status is WON
+    assert try_claim(store, candidate_of(store, d), other, pull=pull(1, "U")).status is WON
+
+
+def test_an_attempt_over_delivered_to_a_session_is_never_claimed_by_it_again(
+    store: StoreBuilder,
+) -> None:
+    task = store.add_task()
+    ref, other = store.add_worker(), store.add_worker()
+    (attempt,) = queued(store, task)
+    lease = claim(store, attempt, ref)
+    for _ in range(3):
+        store.record_delivery(lease.lease_id, store.now())
+    assert store.revoke_over_delivered(max_deliveries=4) == 0
+    assert store.revoke_over_delivered(max_deliveries=3) == 1
+    candidate = candidate_of(store, attempt)
+    assert candidate.lease_generation == 1
+    assert try_claim(store, candidate, ref).status is ATTEMPT_LOST
+    assert try_claim(store, candidate, other).status is WON
+
+
+def test_an_over_delivered_attempt_may_go_to_a_later_session_of_the_same_worker(
+    store: StoreBuilder,
+) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    (attempt,) = queued(store, task)
+    lease = claim(store, attempt, ref)
+    store.record_delivery(lease.lease_id, store.now())
+    assert store.revoke_over_delivered(max_deliveries=1) == 1
+    replacement = store.replace_session(ref.worker_id)
+    assert try_claim(store, candidate_of(store, attempt), replacement).status is WON
+
+
+def test_a_revoke_for_another_reason_bars_no_session(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    (attempt,) = queued(store, task)
+    store.revoke(claim(store, attempt, ref).lease_id)
+    assert try_claim(store, candidate_of(store, attempt), ref).status is WON
+
+
+# Several rules broken at once: the first in the contract's order answers.
+
+
+def test_attempt_checks_answer_before_session_checks(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    (attempt,) = queued(store, task)
+    candidate = candidate_of(store, attempt)
+    store.cancel_run(candidate.run_id)
+    store.replace_session(ref.worker_id)
+    assert try_claim(store, candidate, ref).status is ATTEMPT_LOST
+
+
+def test_the_project_quota_answers_before_session_checks(store: StoreBuilder) -> None:
+    task = store.add_task(max_concurrent_runs=1)
+    ref = store.add_worker()
+    other = store.add_worker()
+    first, second = queued(store, task, 2)
+    claim(store, first, other)
+    store.set_session_state(ref.worker_id, "offline")
+    assert try_claim(store, candidate_of(store, second), ref).status is ATTEMPT_LOST
+
+
+def test_the_pull_id_check_answers_before_max_deliveries_and_max_deliveries_before_slots(
+    store: StoreBuilder,
+) -> None:
+    task = store.add_task()
+    ref = store.add_worker(slots=1)
+    other = store.add_worker()
+    barred, filler = queued(store, task, 2)
+    lease = claim(store, barred, ref)
+    store.record_delivery(lease.lease_id, store.now())
+    assert store.revoke_over_delivered(max_deliveries=1) == 1
+    assert try_claim(store, candidate_of(store, filler), ref, pull=pull(7, "T")).status is WON
+    # ref is now full, has pull 7 with token T, and is barred from `barred`.
+    candidate = candidate_of(store, barred)
+    assert try_claim(store, candidate, ref, pull=pull(7, "U")).status is UNAVAILABLE
+    assert try_claim(store, candidate, ref, pull=pull(7, "T")).status is ATTEMPT_LOST
+    assert try_claim(store, candidate, other).status is WON
