@@ -816,6 +816,15 @@ def _caller_env() -> str:
     )
 
 
+def _load() -> str:
+    """Load average, and the share of time tasks waited for a CPU (Linux PSI)."""
+    text = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        some = Path("/proc/pressure/cpu").read_text().split("\n")[0]
+        text += f" (cpu pressure avg60 {some.split('avg60=')[1].split()[0]}%)"
+    return text
+
+
 def _fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -970,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
-            "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "load_start": _load(),
             "postgres": _postgres_version(base),
             "args": {k: str(v) for k, v in vars(args).items() if k != "child"},
         }
@@ -1038,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(logdir, ignore_errors=True)
         signal.signal(signal.SIGTERM, previous)
 
-    results["meta"]["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    results["meta"]["load_end"] = _load()
     report(results, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, sort_keys=True, default=str))
