@@ -1,8 +1,10 @@
-"""The dispatcher core: pure Python, no Django (DESIGN §6, STYLE "In this project").
+"""The dispatcher core: pure Python, no Django (docs/architecture.md, "The dispatch cycle").
 
 Modules: `spec` (the one ExecutionSpec/task validator), `placement`, `budget`,
-`offer`, `result`, `ports` (Protocols + the data crossing them), `cycle`
-(`dispatch_once`) and `fakes` (in-memory ports for tests).
+`offer`, `result`, `ports` (Protocols + the data crossing them), `paging`
+(bounded keyset reads that re-check each page), `cycle` (`dispatch_once`, the
+nine steps in order) and `fakes` (well-behaved in-memory ports, held to the
+same contract suite as the ORM adapters).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The per-cycle budget of `dispatch_once` and its hard caps.
 
-ADR §1: defaults are sized for an edge device; operators may raise them, but
+docs/adr/0001: defaults are sized for an edge device; operators may raise them, but
 never past the hard caps — throughput comes from more, shorter cycles, not from
 bigger ones. A configuration over a cap must stop the process at startup
 (`qinglong.checks` turns each violation into a Django system-check Error).
@@ -26,7 +26,7 @@ HARD_CAPS: Final[Mapping[str, int]] = MappingProxyType(
     {
         "page_size": 64,
         "max_pages": 16,
-        # ADR §1: at most 64 Workers take part in one cycle's placement.
+        # docs/adr/0001: at most 64 Workers take part in one cycle's placement.
         "worker_total": 64,
         "max_claim_attempts": 64,
     }

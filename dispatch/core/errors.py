@@ -1,8 +1,8 @@
 """Validation errors of the dispatcher core.
 
 A message names only the field path and the rule that failed, never the offending
-value: a task's command, cwd and env may carry secrets (DESIGN §1: nothing secret
-reaches a log or an error body), and these messages end up in both.
+value: a task's command, cwd and env may carry secrets (docs/adr/0003: nothing
+secret reaches a log or an error body), and these messages end up in both.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ __all__ = ["PlacementError", "SpecError"]
 
 
 class SpecError(ValueError):
-    """A task definition or ExecutionSpec field broke a rule (ADR §2 step 5)."""
+    """A task definition or ExecutionSpec field broke a rule (docs/adr/0001 step 5)."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -23,4 +23,7 @@ class SpecError(ValueError):
 
 
 class PlacementError(SpecError):
-    """A Placement is malformed or conflicts with the task's executor type (ADR §2 step 6)."""
+    """A Placement is malformed or conflicts with the task's executor type.
+
+    docs/adr/0001 step 6.
+    """

@@ -1,6 +1,6 @@
 """ClaimedExecutionOffer: the lease-bound capability that carries an ExecutionSpec.
 
-ADR §3 / DESIGN §3 "Offer": the offer is the only object holding the sanitized
+docs/adr/0002: the offer is the only object holding the sanitized
 spec and the lease token together. Everything that is not the Worker pull
 response (repr, str, logging, summaries, Celery) sees a redacted form, and the
 offer refuses to be pickled or copied so it cannot cross a process boundary.
@@ -42,7 +42,7 @@ def offer_id_for(
     session_id: str,
     session_generation: int,
 ) -> str:
-    """DESIGN §3: the same lease always yields the same id, across restarts.
+    """docs/adr/0002: the same lease always yields the same id, across restarts.
 
     NUL-separated parts under a versioned domain tag: no part may contain NUL,
     so two different leases can never encode to the same bytes.
@@ -62,7 +62,7 @@ def offer_id_for(
 
 
 def derive_lease_token(secret: bytes, offer_id: str) -> str:
-    """Global claims: HMAC-SHA256(secret, offer_id), so recovery re-derives it (ADR §5)."""
+    """Global claims: HMAC-SHA256(secret, offer_id), so recovery re-derives it (docs/adr/0003)."""
     if not isinstance(secret, bytes) or not secret:
         raise ValueError("the lease secret must be non-empty bytes")
     mac = hmac.new(secret, offer_id.encode("utf-8"), hashlib.sha256).digest()
@@ -70,7 +70,7 @@ def derive_lease_token(secret: bytes, offer_id: str) -> str:
 
 
 def token_digest(token: str) -> str:
-    """What the database stores instead of the token (DESIGN §3)."""
+    """What the database stores instead of the token (docs/adr/0003)."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
@@ -81,7 +81,7 @@ def tokens_equal(a: str, b: str) -> bool:
 
 class OfferSource(StrEnum):
     NEW_CLAIM = "new_claim"  # a claim won in this cycle
-    LEASE_RECOVERY = "lease_recovery"  # an active lease re-materialized (ADR §5)
+    LEASE_RECOVERY = "lease_recovery"  # an active lease re-materialized (docs/adr/0002)
 
 
 def _refuse_copy(kind: str) -> NoReturn:
@@ -143,7 +143,7 @@ class ClaimedExecutionOffer:
     session_generation: int
     lease: LeaseGrant
     # Stored as a deep, read-only copy (nested lists become tuples): mutating the
-    # plan source's data later cannot change the offer (ADR 验证要求 8).
+    # plan source's data later cannot change the offer (docs/adr/0002).
     spec: Mapping[str, object]
     spec_sha256: str
     placement_score: int | None
@@ -183,8 +183,8 @@ class ClaimedExecutionOffer:
         }
 
     def to_wire(self) -> dict[str, object]:
-        """The DESIGN §4 Offer JSON. Only for the Worker pull response: it carries
-        the spec and (when this request may see it) the lease token."""
+        """The offer JSON of the pull response (OpenAPI schema), and only for it:
+        it carries the spec and (when this request may see it) the lease token."""
         return {
             "offer_id": self.offer_id,
             "source": str(self.source),

@@ -1,6 +1,6 @@
 """Placement: which Workers may run a task, and which they should prefer.
 
-ADR §2 steps 6-7: a new claim's Placement must require the candidate's executor
+docs/adr/0001 steps 6-7: a new claim's Placement must require the candidate's executor
 type (added when absent, rejected when conflicting), and Workers are ranked by
 the score of the preferred terms they match.
 
@@ -68,7 +68,7 @@ class Placement:
     preferred: tuple[PreferredTerm, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
-        """The DESIGN §4 Placement JSON (plain, JSON-able copies)."""
+        """The Task definition's placement JSON (plain, JSON-able copies)."""
         return {
             "executor_type": self.executor_type,
             "required_labels": dict(self.required_labels),
@@ -154,7 +154,7 @@ def validate_placement(raw: object) -> Placement:
 
 
 def normalize_placement(placement: Placement, executor_type: str) -> Placement:
-    """ADR §2 step 6: a claim's Placement must require the task's executor type."""
+    """docs/adr/0001 step 6: a claim's Placement must require the task's executor type."""
     if placement.executor_type is None:
         return Placement(
             executor_type=executor_type,

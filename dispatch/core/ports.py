@@ -45,7 +45,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-# RunLease.source values (DESIGN §2).
+# RunLease.source values (docs/adr/0003: global claims and pull claims).
 NEW_CLAIM: Final = "new_claim"
 PULL_CLAIM: Final = "pull_claim"
 LEASE_SOURCES: Final = frozenset({NEW_CLAIM, PULL_CLAIM})
@@ -56,7 +56,7 @@ def id_sort_key(value: str) -> tuple[int, int, str]:
 
     Decimal strings sort by value before any other string (the raw string breaks
     ties such as "010" vs "10"), so the Worker snapshot order is deterministic
-    (ADR §2 step 7) and the same as ORDER BY an integer primary key.
+    (docs/adr/0001 step 7) and the same as ORDER BY an integer primary key.
     """
     if value.isascii() and value.isdigit():
         return (0, int(value), value)
@@ -64,7 +64,7 @@ def id_sort_key(value: str) -> tuple[int, int, str]:
 
 
 def to_rfc3339(moment: datetime) -> str:
-    """RFC 3339 UTC with "Z" (DESIGN §4); naive datetimes are a bug, not local time."""
+    """RFC 3339 UTC with "Z" (the wire format); naive datetimes are a bug, not local time."""
     if moment.tzinfo is None or moment.utcoffset() is None:
         raise ValueError("a naive datetime cannot be put on the wire")
     return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
@@ -162,7 +162,7 @@ class RecoverableLease:
         return SessionRef(self.worker_id, self.session_id, self.session_generation)
 
     def as_candidate(self) -> Candidate:
-        """The pinned identity the plan source re-materializes from (ADR §5)."""
+        """The pinned identity the plan source re-materializes from (docs/adr/0002)."""
         return Candidate(
             run_id=self.run_id,
             attempt_id=self.attempt_id,
@@ -194,7 +194,7 @@ class DispatchPlan:
     project_id: str
     task_id: str
     task_revision: int
-    # The unchecked ExecutionSpec: trusted memory only, never repr'd (ADR §2).
+    # The unchecked ExecutionSpec: trusted memory only, never repr'd (docs/adr/0002).
     spec: Mapping[str, object] = field(repr=False)
     placement: Placement
 
@@ -205,7 +205,7 @@ class PlanUnavailable(Exception):
 
 @dataclass(frozen=True)
 class PullCredential:
-    """ADR-0108: the Worker's own pull id and high-entropy lease token."""
+    """docs/adr/0003: the Worker's own pull id and high-entropy lease token."""
 
     pull_id: str
     token: str = field(repr=False)
@@ -245,7 +245,7 @@ class ClaimOutcome:
     expires_at: datetime | None = None
 
     def __post_init__(self) -> None:
-        # A won claim without its lease facts could never be recovered (ADR §5).
+        # A won claim without its lease facts could never be recovered (docs/adr/0002).
         if self.status is ClaimStatus.WON and (self.lease_id is None or self.expires_at is None):
             raise ValueError("a won claim must carry lease_id and expires_at")
 

@@ -1,6 +1,6 @@
 """DispatchCycleResult: what one cycle did, in low-cardinality terms.
 
-ADR §2: failures, lost races, no-match and exhausted budgets return only a
+docs/adr/0001: failures, lost races, no-match and exhausted budgets return only a
 status, a reason and counts — never an ExecutionSpec. `summary()` is the only
 form that leaves the process (logs, the DispatchCycle row, Celery results,
 admin, `manage.py dispatch_once --json`); offers stay in memory.
@@ -52,7 +52,7 @@ class CycleReason(StrEnum):
     RECOVERY_SCOPE_MISMATCH = "recovery_scope_mismatch"
     RECOVERY_PLAN_MISSING = "recovery_plan_missing"
     RECOVERY_SPEC_DRIFT = "recovery_spec_drift"
-    # The lease's stored token digest cannot be re-established (ADR §5).
+    # The lease's stored token digest cannot be re-established (docs/adr/0003).
     RECOVERY_TOKEN_MISMATCH = "recovery_token_mismatch"
     INVALID_SPEC = "invalid_spec"
     PLACEMENT_CONFLICT = "placement_conflict"

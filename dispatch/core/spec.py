@@ -1,6 +1,6 @@
 """The one validator for task definitions and ExecutionSpecs.
 
-DESIGN §4 / ADR §2 step 5: the Django Task form, the REST API and `dispatch_once`
+docs/adr/0001 step 5: the Django Task form, the REST API and `dispatch_once`
 all call these functions, so there is never a second set of rules to drift.
 Every rule violation is a `SpecError` naming the field (never the value).
 """
@@ -148,7 +148,7 @@ def validate_command(value: object) -> list[str]:
 def validate_cwd(value: object) -> str | None:
     """A Task's working directory: a path relative to the Worker's work directory.
 
-    The one cwd rule (DESIGN §4 ExecutionSpec `cwd`), which the reference agent
+    The one cwd rule (docs/architecture.md, "cwd"), which the reference agent
     checks again on its own filesystem: '/'-separated, not absolute (no leading
     '/', no drive letter), no backslash, no '..' segment, so it can never name
     a directory outside the work directory. It comes back normalized (empty and
@@ -227,7 +227,7 @@ def validate_max_attempts(value: object) -> int:
 
 
 def validate_id(value: object, *, field: str) -> str:
-    """Ids cross the wire as decimal strings of database keys (DESIGN §4)."""
+    """Ids cross the wire as decimal strings of database keys (the wire format)."""
     if not isinstance(value, str) or _ID.fullmatch(value) is None:
         raise SpecError(field, f"must be a string of 1 to {MAX_ID_CHARS} decimal digits")
     return value
@@ -291,7 +291,7 @@ def build_spec(
     task_revision: int,
     definition: TaskDefinition,
 ) -> dict[str, object]:
-    """The wire ExecutionSpec of DESIGN §4, as fresh plain containers."""
+    """The wire ExecutionSpec (the pull response's `spec`), as fresh plain containers."""
     return {
         "spec_version": SPEC_VERSION,
         "run_id": run_id,
@@ -309,7 +309,7 @@ def build_spec(
 
 
 def validate_spec(raw: Mapping[str, object]) -> dict[str, object]:
-    """ADR §2 step 5: validate, deep-copy and strip unknown fields (剥离).
+    """docs/adr/0001 step 5: validate, deep-copy and strip unknown fields.
 
     The result is built only from values the validators return (new lists and
     dicts of immutable strings and ints), so nothing in it aliases `raw`.
@@ -350,7 +350,8 @@ def _plain(value: object) -> object:
 
 
 def canonical_json(spec: Mapping[str, object]) -> bytes:
-    """DESIGN §4: sorted keys, no insignificant whitespace, UTF-8."""
+    """The canonical JSON every spec digest is taken over: sorted keys, no
+    insignificant whitespace, UTF-8."""
     return json.dumps(
         _plain(spec), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
     ).encode("utf-8")
@@ -403,7 +404,7 @@ def check_spec_identity(
     task_id: str,
     task_revision: int,
 ) -> None:
-    """ADR §2 step 5: the spec must describe exactly the persisted candidate."""
+    """docs/adr/0001 step 5: the spec must describe exactly the persisted candidate."""
     expected: tuple[tuple[str, object], ...] = (
         ("run_id", run_id),
         ("attempt_id", attempt_id),

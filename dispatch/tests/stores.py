@@ -3,7 +3,7 @@
 `FakeStoreBuilder` drives `dispatch.core.fakes.FakeStore`; `OrmStoreBuilder`
 drives the real database through the same services production uses. The
 contract tests only talk to this interface, so every check runs unchanged
-against the in-memory fakes and the Django ORM adapters (DESIGN §6).
+against the in-memory fakes and the Django ORM adapters (docs/adr/0001, "Consequences").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""dispatch_once over the in-memory fakes: the ADR-0014 验证要求 list, in order."""
+"""dispatch_once over the in-memory fakes: the rules of docs/adr/0001-0003, in order."""
 
 from __future__ import annotations
 
