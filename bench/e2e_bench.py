@@ -21,7 +21,8 @@ e2e    the real thing: gunicorn with qinglong/gunicorn.conf.py and the
        spawn each.
 peer   Procrastinate 3.10 in process (no REST, no spawn): N no-op jobs
        deferred, one worker (`run_worker_async(wait=False)`) at concurrency 1
-       and 4, jobs/s; the ratio Qinglong e2e / Procrastinate.
+       and 4, jobs/s; the ratio Qinglong e2e / Procrastinate. It runs before
+       e2e and again after micro; the ratios use the mean of the two.
 micro  in process, one Run at a time through the services: a session-scope
        `dispatch_cycle` (a pull claiming 1) + `lease_ack` starting, running,
        succeeded; against Procrastinate's `fetch_job` + `finish_job` of one
@@ -386,7 +387,7 @@ def verify(*, runs: int, ids: list[int], agent: dict[str, Any]) -> list[str]:
     """Every Run succeeded exactly once: DB rows and the agents' own account."""
     from django.db.models import Count
 
-    from dispatch.models import RunLease
+    from leases.models import RunLease
     from runs.models import Attempt, AttemptEvent, Run
 
     problems: list[str] = []
@@ -422,7 +423,8 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
     from django.db.models import Count
 
     from dispatch.cycles import dispatch_set_paused
-    from dispatch.models import DispatchCycle, RunLease
+    from dispatch.models import DispatchCycle
+    from leases.models import RunLease
     from runs.models import Run
     from workers.models import WorkerSession
 
@@ -606,7 +608,8 @@ def child_peer(url: str, jobs: int, micro_jobs: int, concurrencies: list[int]) -
 
     async def main() -> None:
         async with app.open_async():
-            await app.schema_manager.apply_schema_async()
+            if not _peer_sql(url, "SELECT to_regclass('procrastinate_jobs')")[0][0]:
+                await app.schema_manager.apply_schema_async()
             # Untimed warm-up: connections, plans, imports.
             await task.batch_defer_async(*({} for _ in range(100)))
             await app.run_worker_async(
@@ -652,6 +655,24 @@ def child_peer(url: str, jobs: int, micro_jobs: int, concurrencies: list[int]) -
     asyncio.run(main())
     report["version"] = importlib.import_module("importlib.metadata").version("procrastinate")
     return report
+
+
+def _peer_mean(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    def mean(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **a,
+            "per_s": (a["per_s"] + b["per_s"]) / 2,
+            "before": a["per_s"],
+            "after": b["per_s"],
+            "median_ms": (a.get("median_ms", 0) + b.get("median_ms", 0)) / 2,
+        }
+
+    return {
+        "version": before["version"],
+        "jobs": before["jobs"],
+        "workers": {c: mean(w, after["workers"][c]) for c, w in before["workers"].items()},
+        "micro": mean(before["micro"], after["micro"]),
+    }
 
 
 # ---------------------------------------------------------------------- micro
@@ -840,6 +861,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     e2e_result = results.get("e2e")
     peer = results.get("peer")
     micro = results.get("micro")
+
+    def both(before: float, after: float) -> str:
+        # The peer ran before and after the Qinglong parts: drift shows here.
+        return f"{(before + after) / 2:.0f} (before {before:.0f}, after {after:.0f})"
+
     if e2e_result:
         enq = e2e_result["enqueue"]
         dispatcher = (
@@ -882,8 +908,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"agent pulls refused {e2e_result['agent_events'].get('pull_refused', 0)}"
         )
     if peer:
-        rates = ", ".join(
-            f"concurrency {c}: {w['per_s']:.0f} jobs/s" for c, w in peer["workers"].items()
+        rates = "; ".join(
+            f"concurrency {c}: {both(w['before'], w['after'])} jobs/s"
+            for c, w in peer["workers"].items()
         )
         out(
             f"\n  peer     Procrastinate {peer['version']} in process (no REST, no spawn), "
@@ -907,7 +934,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             pm = peer["micro"]
             out(
                 f"           Procrastinate fetch_job + finish_job, one job at a time: "
-                f"{pm['per_s']:.0f} jobs/s (median {pm['median_ms']:.2f} ms)"
+                f"{both(pm['before'], pm['after'])} jobs/s (median {pm['median_ms']:.2f} ms)"
             )
             out(
                 f"  ratio    Qinglong / Procrastinate: "
@@ -1004,17 +1031,17 @@ def main(argv: list[str] | None = None) -> int:
         # The micro bench starts from the same freshly migrated schema.
         _admin(base, f"CREATE DATABASE {MICRO_DB} TEMPLATE {E2E_DB}")
 
+        def peer(when: str) -> dict[str, Any]:
+            log(f"Procrastinate ({when}): {args.peer_jobs} jobs at concurrency 1 and 4, micro")
+            argv = ["peer", _db_url(base, PEER_DB), str(args.peer_jobs), str(args.micro_runs)]
+            return procs.run_child(f"peer-{when}", [*argv, "1,4"], os.environ.copy(), 300)
+
+        # The peer runs before and after the Qinglong parts; the ratios use
+        # the mean of the two, so load that changes during the run hits both.
+        before = None if args.skip_peer else peer("before")
         if not args.skip_e2e:
             results["e2e"] = e2e(args, base, procs, logdir)
             connection.close()
-        if not args.skip_peer:
-            log(f"Procrastinate: {args.peer_jobs} jobs at concurrency 1 and 4, then fetch+finish")
-            results["peer"] = procs.run_child(
-                "peer",
-                ["peer", _db_url(base, PEER_DB), str(args.peer_jobs), str(args.micro_runs), "1,4"],
-                os.environ.copy(),
-                timeout=300,
-            )
         if not args.skip_micro:
             log(f"micro: {args.micro_runs} Runs through the services")
             results["micro"] = procs.run_child(
@@ -1023,6 +1050,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.copy(),
                 timeout=300,
             )
+        if before is not None:
+            results["peer"] = _peer_mean(before, peer("after"))
         failed = bool(results.get("e2e", {}).get("problems"))
     except KeyboardInterrupt:
         log("interrupted: stopping processes, dropping databases")
