@@ -143,7 +143,7 @@ def reset_claims(lease_ids: list[int]) -> None:
 
 
 def release_all() -> None:
-    from dispatch.models import RunLease
+    from leases.models import RunLease
 
     reset_claims(list(RunLease.objects.values_list("id", flat=True)))
 

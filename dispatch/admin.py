@@ -7,7 +7,7 @@ only table: read-only, with a capped paginator. The "dispatch paused" kill
 switch is a single DispatchControl row changed only through
 `dispatch_set_paused`, and every cycle honours it.
 
-Revoking needs `dispatch.revoke_lease`; the switch (its actions and its form)
+Revoking needs `leases.revoke_lease`; the switch (its actions and its form)
 needs `dispatch.pause_dispatch` — `change_dispatchcontrol` alone flips nothing.
 """
 
@@ -22,8 +22,9 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.functional import cached_property
 
 from dispatch.cycles import dispatch_paused, dispatch_set_paused
-from dispatch.models import DispatchControl, DispatchCycle, LeaseState, RunLease
+from dispatch.models import DispatchControl, DispatchCycle
 from dispatch.services import lease_revoke
+from leases.models import LeaseState, RunLease
 from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, holds
 from runs.services import Outcome
 
@@ -94,7 +95,7 @@ class RunLeaseAdmin(ViewOnlyAdmin):
     actions = ("revoke_leases",)
 
     def has_revoke_lease_permission(self, request: HttpRequest) -> bool:
-        return holds(request, "dispatch.revoke_lease")
+        return holds(request, "leases.revoke_lease")
 
     @admin.display(description="token digest")
     def token_prefix(self, lease: RunLease) -> str:

@@ -21,7 +21,7 @@ from django.db.models import F
 
 from dispatch.core.offer import token_digest, tokens_equal
 from dispatch.core.ports import ClaimOutcome, ClaimRequest, ClaimStatus
-from dispatch.models import LeaseSource, LeaseState, RunLease
+from leases.models import LeaseSource, LeaseState, RunLease
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Project, Run, RunState
 from runs.services import (

@@ -21,8 +21,9 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
-from dispatch.models import DispatchCycle, LeaseState, RunLease
+from dispatch.models import DispatchCycle
 from dispatch.services import lease_expire, lease_revoke, leases_over_delivered
+from leases.models import LeaseState, RunLease
 from qinglong.clock import db_now
 from runs.models import AttemptState
 from runs.services import Outcome

@@ -83,6 +83,7 @@ INSTALLED_APPS = [
     "qinglong.apps.QinglongConfig",
     "runs.apps.RunsConfig",
     "workers.apps.WorkersConfig",
+    "leases.apps.LeasesConfig",
     "dispatch.apps.DispatchConfig",
 ]
 
@@ -281,7 +282,7 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {
         "RunStateEnum": "runs.models.RunState",
         "AttemptStateEnum": "runs.models.AttemptState",
-        "LeaseStateEnum": "dispatch.models.LeaseState",
+        "LeaseStateEnum": "leases.models.LeaseState",
         "CurrentSessionStateEnum": ["online", "draining"],
     },
     "POSTPROCESSING_HOOKS": [

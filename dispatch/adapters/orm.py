@@ -33,8 +33,8 @@ from dispatch.core.ports import (
     RecoverableLease,
     WorkerRecord,
 )
-from dispatch.models import LeaseState, RunLease
 from dispatch.services import DatabaseClaimPort
+from leases.models import LeaseState, RunLease
 from qinglong.clock import DatabaseClock
 from runs.models import Attempt, AttemptState, RunState
 from runs.services import attempt_spec

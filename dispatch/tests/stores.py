@@ -30,9 +30,9 @@ from dispatch.core.ports import (
     SessionRef,
 )
 from dispatch.core.spec import spec_sha256
-from dispatch.models import RunLease
 from dispatch.services import AckPhase, lease_ack, lease_revoke, leases_record_delivery
 from dispatch.sweeps import sweep_over_delivered_leases
+from leases.models import RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, Run, Task

@@ -25,7 +25,8 @@ from dispatch.core.offer import ClaimedExecutionOffer, OfferSource
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleReason, CycleStatus
 from dispatch.cycles import dispatch_cycle, dispatch_paused, dispatch_set_paused
-from dispatch.models import DispatchCycle, LeaseState, RunLease
+from dispatch.models import DispatchCycle
+from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState

@@ -16,8 +16,8 @@ from django.db import connection, transaction
 
 from dispatch import services as ds
 from dispatch.core.ports import ClaimStatus
-from dispatch.models import LeaseState, RunLease
 from dispatch.services import AckPhase, lease_ack
+from leases.models import LeaseState, RunLease
 from qinglong import testing
 from runs.models import Run
 from workers.models import WorkerSession

@@ -19,8 +19,8 @@ import pytest
 from django.db import connection, transaction
 
 from dispatch.core.ports import ClaimStatus
-from dispatch.models import LeaseState, RunLease
 from dispatch.services import AckPhase, LeaseConflict, lease_ack, lease_claim, lease_expire
+from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState

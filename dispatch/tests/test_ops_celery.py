@@ -26,7 +26,8 @@ import redis
 from django.db import connection
 from django.db.models import Count
 
-from dispatch.models import DispatchCycle, LeaseState, RunLease
+from dispatch.models import DispatchCycle
+from leases.models import LeaseState, RunLease
 from qinglong.testing import make_run, make_task, make_worker, open_session
 from runs.models import AttemptEvent
 from workers.models import WorkerSession

@@ -15,7 +15,8 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from dispatch import tasks
-from dispatch.models import DispatchCycle, RunLease
+from dispatch.models import DispatchCycle
+from leases.models import RunLease
 from qinglong.celery import app
 from qinglong.testing import (
     CANARY_COMMAND,

@@ -18,9 +18,9 @@ import pytest
 from django.db import connections
 
 from dispatch import services
-from dispatch.models import LeaseState, RunLease
 from dispatch.services import AckPhase, LeaseConflict, lease_ack
 from dispatch.sweeps import sweep_expired_leases
+from leases.models import LeaseState, RunLease
 from qinglong.clock import db_now
 from qinglong.testing import claim, make_run, open_session, pending_attempt
 from runs.models import Attempt, Run

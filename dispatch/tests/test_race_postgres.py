@@ -20,7 +20,8 @@ import pytest
 from django.db import connection
 from django.db.models import Count, F, Q
 
-from dispatch.models import DispatchCycle, LeaseState, RunLease
+from dispatch.models import DispatchCycle
+from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState

@@ -18,8 +18,8 @@ from django.db import connections
 
 from dispatch import services as ds
 from dispatch.core.ports import ClaimStatus
-from dispatch.models import LeaseState, RunLease
 from dispatch.sweeps import prune_ended_sessions
+from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 from workers import services as ws

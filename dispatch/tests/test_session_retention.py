@@ -17,8 +17,8 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from dispatch import tasks
-from dispatch.models import RunLease
 from dispatch.sweeps import prune_ended_sessions
+from leases.models import RunLease
 from qinglong.clock import db_now
 from qinglong.testing import claim, make_run, make_worker, open_session, pending_attempt
 from workers.models import SESSION_CURRENT_STATES, SessionState, WorkerSession

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from dispatch.core.ports import to_rfc3339
-from dispatch.models import RunLease
+from leases.models import RunLease
 from runs.models import Attempt, Project, Run
 
 MAX_PAGE = 100

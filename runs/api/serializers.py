@@ -12,7 +12,7 @@ from rest_framework import serializers
 
 from dispatch.core.placement import LABEL_KEY_RE, LABEL_VALUE_RE
 from dispatch.core.spec import ENV_KEY_RE, EXECUTOR_TYPE_RE
-from dispatch.models import LeaseSource, LeaseState
+from leases.models import LeaseSource, LeaseState
 from qinglong.api_common import (
     FullMatchRegexValidator,
     StrictCharField,

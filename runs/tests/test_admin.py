@@ -7,7 +7,8 @@ from django.urls import reverse
 
 from dispatch.core.ports import DispatchScope
 from dispatch.cycles import dispatch_cycle, dispatch_paused
-from dispatch.models import DispatchControl, DispatchCycle, LeaseState, RunLease
+from dispatch.models import DispatchControl, DispatchCycle
+from leases.models import LeaseState, RunLease
 from qinglong.testing import (
     CANARY_COMMAND,
     CANARY_CWD,
@@ -58,7 +59,7 @@ def messages_of(response) -> list[str]:
 @pytest.mark.parametrize(
     "model",
     [
-        "dispatch_runlease",
+        "leases_runlease",
         "runs_run",
         "dispatch_dispatchcycle",
         "workers_worker",
@@ -78,7 +79,7 @@ def test_changelists_render_without_canary_or_token(admin_client, leased, model)
 def test_change_views_render_without_canary_or_token(admin_client, leased):
     run, lease, token, credential, session_token = leased
     pages = [
-        reverse("admin:dispatch_runlease_change", args=[lease.pk]),
+        reverse("admin:leases_runlease_change", args=[lease.pk]),
         reverse("admin:runs_run_change", args=[run.pk]),
         reverse("admin:dispatch_dispatchcycle_change", args=[DispatchCycle.objects.first().pk]),
         reverse("admin:workers_worker_change", args=[lease.worker_id]),
@@ -103,10 +104,10 @@ def test_change_views_render_without_canary_or_token(admin_client, leased):
 
 def test_leases_cannot_be_added_or_deleted_or_edited(admin_client, leased):
     _, lease, *_ = leased
-    assert admin_client.get(reverse("admin:dispatch_runlease_add")).status_code == 403
+    assert admin_client.get(reverse("admin:leases_runlease_add")).status_code == 403
     assert (
         admin_client.post(
-            reverse("admin:dispatch_runlease_delete", args=[lease.pk]), {"post": "yes"}
+            reverse("admin:leases_runlease_delete", args=[lease.pk]), {"post": "yes"}
         ).status_code
         == 403
     )
@@ -115,7 +116,7 @@ def test_leases_cannot_be_added_or_deleted_or_edited(admin_client, leased):
 
 def test_revoke_lease_action_revokes_and_reports_the_count(admin_client, leased):
     run, lease, *_ = leased
-    response = act(admin_client, "dispatch_runlease", "revoke_leases", [lease.pk])
+    response = act(admin_client, "leases_runlease", "revoke_leases", [lease.pk])
     assert "Revoked 1 lease(s)." in messages_of(response)
     lease.refresh_from_db()
     assert (lease.state, lease.end_reason) == (LeaseState.REVOKED, "operator_revoke")
@@ -216,7 +217,7 @@ def test_state_fields_are_read_only_on_run_change(admin_client):
     [
         "admin:runs_run_changelist",
         "admin:runs_task_changelist",
-        "admin:dispatch_runlease_changelist",
+        "admin:leases_runlease_changelist",
         "admin:runs_attempt_changelist",
     ],
 )

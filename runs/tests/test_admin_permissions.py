@@ -30,7 +30,8 @@ from django.urls import reverse
 
 from dispatch.core.ports import DispatchScope
 from dispatch.cycles import dispatch_cycle, dispatch_set_paused
-from dispatch.models import DispatchControl, RunLease
+from dispatch.models import DispatchControl
+from leases.models import RunLease
 from qinglong.testing import (
     claim,
     make_project,
@@ -144,8 +145,8 @@ ACTIONS: dict[tuple[str, str], ActionSpec] = {
     ("workers.worker", "rotate_credentials"): ActionSpec(
         "workers.rotate_credential", lambda w: [w.worker.pk], _worker_state
     ),
-    ("dispatch.runlease", "revoke_leases"): ActionSpec(
-        "dispatch.revoke_lease",
+    ("leases.runlease", "revoke_leases"): ActionSpec(
+        "leases.revoke_lease",
         lambda w: [w.lease.pk],
         lambda w: (
             RunLease.objects.filter(pk=w.lease.pk)

@@ -16,7 +16,7 @@ from django.contrib import admin
 from django.test import Client
 from rest_framework.authtoken.models import Token, TokenProxy
 
-from dispatch.models import RunLease
+from leases.models import RunLease
 from qinglong.admin import DIGEST_FIELDS
 from qinglong.testing import claim, make_run, make_worker, open_session, pending_attempt
 from workers.models import Worker, WorkerSession
@@ -60,17 +60,17 @@ def _digest_probes(lease: RunLease) -> list[tuple[str, str]]:
     worker = Worker.objects.get(pk=lease.worker_id)
     session = WorkerSession.objects.get(pk=lease.session_id)
     return [
-        ("/admin/dispatch/runlease/", f"token_digest__startswith={lease.token_digest[:2]}"),
-        ("/admin/dispatch/runlease/", f"token_digest={lease.token_digest}"),
-        ("/admin/dispatch/runlease/", f"token_digest__exact={lease.token_digest}"),
-        ("/admin/dispatch/runlease/", f"spec_digest__startswith={lease.spec_digest[:2]}"),
-        ("/admin/dispatch/runlease/", f"token_digest__gt={lease.token_digest[:2]}"),
+        ("/admin/leases/runlease/", f"token_digest__startswith={lease.token_digest[:2]}"),
+        ("/admin/leases/runlease/", f"token_digest={lease.token_digest}"),
+        ("/admin/leases/runlease/", f"token_digest__exact={lease.token_digest}"),
+        ("/admin/leases/runlease/", f"spec_digest__startswith={lease.spec_digest[:2]}"),
+        ("/admin/leases/runlease/", f"token_digest__gt={lease.token_digest[:2]}"),
         (
-            "/admin/dispatch/runlease/",
+            "/admin/leases/runlease/",
             f"session__token_digest__startswith={session.token_digest[:2]}",
         ),
         (
-            "/admin/dispatch/runlease/",
+            "/admin/leases/runlease/",
             f"worker__credential_digest__startswith={worker.credential_digest[:2]}",
         ),
         ("/admin/workers/worker/", f"credential_digest__startswith={worker.credential_digest[:2]}"),
@@ -97,7 +97,7 @@ def test_lookups_on_digest_fields_are_refused(admin_client: Client, leased: RunL
 
 def test_ordinary_filters_still_work(admin_client: Client, leased: RunLease) -> None:
     for path, query in (
-        ("/admin/dispatch/runlease/", "state__exact=active"),
+        ("/admin/leases/runlease/", "state__exact=active"),
         ("/admin/workers/worker/", "admin_state__exact=active"),
         ("/admin/workers/workersession/", "state__exact=online"),
     ):
@@ -117,7 +117,7 @@ def test_no_admin_searches_a_digest_field(rf: Any, admin_user: Any) -> None:
 
 def test_a_search_for_a_digest_prefix_finds_nothing(admin_client: Client, leased: RunLease) -> None:
     for path, prefix in (
-        ("/admin/dispatch/runlease/", leased.token_digest[:12]),
+        ("/admin/leases/runlease/", leased.token_digest[:12]),
         ("/admin/workers/workersession/", leased.session.token_digest[:12]),
         ("/admin/workers/worker/", leased.worker.credential_digest[:12]),
     ):

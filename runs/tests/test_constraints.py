@@ -8,7 +8,7 @@ import pytest
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from dispatch.models import LeaseState, RunLease
+from leases.models import LeaseState, RunLease
 from qinglong.testing import claim, make_run, open_session, pending_attempt
 from runs.models import Attempt
 from workers.models import SessionState, WorkerSession

@@ -17,8 +17,8 @@ import pytest
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
-from dispatch.models import LeaseState, RunLease
 from dispatch.services import AckPhase, LeaseError, lease_ack, lease_revoke
+from leases.models import LeaseState, RunLease
 from qinglong.testing import claim, definition, make_run, make_task, open_session, pending_attempt
 from runs.models import Attempt, AttemptEvent, Run, TaskRevision
 from runs.services import LostRace, Outcome, attempt_transition, task_update

@@ -20,7 +20,8 @@ from django.test import Client
 from dispatch.core.ports import DispatchScope
 from dispatch.core.result import CycleReason
 from dispatch.cycles import dispatch_cycle
-from dispatch.models import DispatchCycle, RunLease
+from dispatch.models import DispatchCycle
+from leases.models import RunLease
 from qinglong.testing import CANARY_CWD, make_project, make_run, make_task, open_session
 from runs.models import RunState, Task, TaskRevision
 from runs.services import run_cancel, run_enqueue

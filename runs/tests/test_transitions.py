@@ -13,7 +13,6 @@ import pytest
 from django.utils import timezone
 
 from dispatch.core.ports import ClaimStatus
-from dispatch.models import LeaseState, RunLease
 from dispatch.services import (
     AckPhase,
     LeaseConflict,
@@ -23,6 +22,7 @@ from dispatch.services import (
     lease_expire,
     lease_revoke,
 )
+from leases.models import LeaseState, RunLease
 from qinglong.testing import claim, make_run, make_task, open_session, pending_attempt
 from runs.models import Attempt, AttemptEvent, Run
 from runs.services import (

@@ -21,8 +21,8 @@ from dispatch.core.offer import ClaimedExecutionOffer, token_digest, tokens_equa
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleReason, CycleStatus, DispatchCycleResult
 from dispatch.cycles import dispatch_cycle
-from dispatch.models import LeaseState, RunLease
 from dispatch.notify import Wake, offer_subscription
+from leases.models import LeaseState, RunLease
 from runs.models import AttemptState
 from workers.models import WorkerSession
 

@@ -143,7 +143,7 @@ PHASE_EXTRA: dict[str, dict[str, Any]] = {
 
 def state_snapshot() -> dict[str, Any]:
     """Every row a Worker call could change; equal snapshots mean nothing changed."""
-    from dispatch.models import RunLease
+    from leases.models import RunLease
     from runs.models import Attempt, AttemptEvent, Run
     from workers.models import WorkerSession
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from dispatch.models import RunLease
+from leases.models import RunLease
 from qinglong.testing import make_run
 from workers.tests.api_helpers import (
     API,

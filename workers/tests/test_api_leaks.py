@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from dispatch.models import DispatchCycle, RunLease
+from dispatch.models import DispatchCycle
+from leases.models import RunLease
 from qinglong.testing import CANARY_COMMAND, CANARY_CWD, CANARY_ENV, canary_definition, make_worker
 from runs.models import AttemptEvent
 from workers.tests.api_helpers import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from dispatch.models import LeaseState, RunLease
+from leases.models import LeaseState, RunLease
 from qinglong.testing import make_run, make_worker
 from runs.models import Attempt, Run
 from workers.models import SessionState, WorkerSession

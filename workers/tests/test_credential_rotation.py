@@ -15,7 +15,7 @@ import pytest
 from django.core.management import call_command
 from django.test import Client
 
-from dispatch.models import LeaseState, RunLease
+from leases.models import LeaseState, RunLease
 from qinglong.testing import make_run, make_task, make_worker, open_session
 from runs.models import Attempt, Run
 from workers.models import SessionEndReason, SessionState, Worker, WorkerSession

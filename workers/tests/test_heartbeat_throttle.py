@@ -18,7 +18,7 @@ from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from rest_framework.settings import api_settings
 
-from dispatch.models import RunLease
+from leases.models import RunLease
 from qinglong.testing import claim, make_run, open_session, pending_attempt
 from runs.models import Attempt
 from workers.models import SessionState, WorkerSession

@@ -20,8 +20,8 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from dispatch.core.errors import SpecError
 from dispatch.core.spec import spec_sha256
-from dispatch.models import LeaseState, RunLease
 from dispatch.services import lease_expire, lease_revoke
+from leases.models import LeaseState, RunLease
 from qinglong.clock import db_now
 from runs.models import ATTEMPT_TERMINAL_STATES, RUN_TERMINAL_STATES, AttemptState
 from runs.services import Outcome, attempt_spec

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from playwright.sync_api import Page, expect
 
-from dispatch.models import RunLease
+from leases.models import RunLease
 from qinglong.testing import (
     CANARY_COMMAND,
     CANARY_CWD,
@@ -48,7 +48,7 @@ def test_staff_user_logs_in_and_the_index_lists_the_console(
         ("#runs-run", "Runs", "/admin/runs/run/"),
         ("#runs-attempt", "Attempts", "/admin/runs/attempt/"),
         ("#workers-worker", "Workers", "/admin/workers/worker/"),
-        ("#dispatch-runlease", "Run leases", "/admin/dispatch/runlease/"),
+        ("#leases-runlease", "Run leases", "/admin/leases/runlease/"),
     ]:
         link = page.locator(row).get_by_role("link", name=name, exact=True)
         expect(link).to_be_visible()

@@ -1,0 +1,90 @@
+"""RunLease: the authority binding an Attempt to one Worker Session (docs/adr/0002).
+
+Rows change only through the use cases of this package (`leases.claim`,
+`leases.ack`, `leases.end`, `leases.renew`), each a compare-and-set on
+(state, version) from `leases.transitions`.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+
+class LeaseSource(models.TextChoices):
+    NEW_CLAIM = "new_claim"  # global cycle; token = HMAC(secret, offer_id)
+    PULL_CLAIM = "pull_claim"  # a Worker's pull; token chosen by the Worker (docs/adr/0003)
+
+
+class LeaseState(models.TextChoices):
+    ACTIVE = "active"  # the authority binding the Attempt to one Session
+    RELEASED = "released"  # the Attempt reached a terminal state
+    EXPIRED = "expired"  # passed expires_at (sweeper or audit)
+    REVOKED = "revoked"  # session replaced/offline, cancel, operator, max deliveries
+
+
+class RunLease(models.Model):
+    """The authority binding an Attempt to one Worker Session."""
+
+    attempt = models.ForeignKey("runs.Attempt", on_delete=models.PROTECT, related_name="leases")
+    run = models.ForeignKey("runs.Run", on_delete=models.PROTECT, related_name="leases")
+    worker = models.ForeignKey("workers.Worker", on_delete=models.PROTECT, related_name="leases")
+    session = models.ForeignKey(
+        "workers.WorkerSession", on_delete=models.PROTECT, related_name="leases"
+    )
+    session_generation = models.PositiveIntegerField()
+    lease_generation = models.PositiveIntegerField()
+    offer_id = models.CharField(max_length=64, unique=True)
+    token_digest = models.CharField(max_length=64)
+    spec_digest = models.CharField(max_length=64)
+    placement_score = models.IntegerField(null=True, blank=True)
+    source = models.CharField(max_length=16, choices=LeaseSource.choices)
+    pull_id = models.UUIDField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=LeaseState.choices, default=LeaseState.ACTIVE)
+    version = models.PositiveIntegerField(default=0)
+    claimed_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    delivery_count = models.PositiveIntegerField(default=0)
+    last_delivered_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.CharField(max_length=48, blank=True, default="")
+
+    class Meta:
+        # The table keeps the name it had when the model lived in `dispatch`
+        # (moved without touching the database, docs/adr/0004).
+        db_table = "dispatch_runlease"
+        ordering = ["-id"]
+        # Leases change only through services: the one operator write is revoking.
+        permissions = [("revoke_lease", "Can revoke an active lease")]
+        constraints = [
+            # At most one active lease per Attempt.
+            models.UniqueConstraint(
+                fields=["attempt"], condition=Q(state="active"), name="runlease_one_active"
+            ),
+            models.UniqueConstraint(
+                fields=["attempt", "lease_generation"], name="runlease_unique_generation"
+            ),
+            models.CheckConstraint(
+                condition=Q(state__in=LeaseState.values), name="runlease_state_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(source__in=LeaseSource.values), name="runlease_source_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(lease_generation__gte=1), name="runlease_generation_gte_1"
+            ),
+        ]
+        indexes = [
+            # Recovery scan and slot counting touch active leases only.
+            models.Index(fields=["id"], name="runlease_active", condition=Q(state="active")),
+            models.Index(
+                fields=["session"], name="runlease_active_session", condition=Q(state="active")
+            ),
+            models.Index(
+                fields=["expires_at"], name="runlease_active_expiry", condition=Q(state="active")
+            ),
+            models.Index(fields=["session", "pull_id"], name="runlease_pull"),
+        ]
+
+    def __str__(self) -> str:
+        return f"lease {self.pk} gen {self.lease_generation} ({self.state})"
