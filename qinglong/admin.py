@@ -16,12 +16,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from django.contrib import admin
 from django.db.models.constants import LOOKUP_SEP
 from django.http import HttpRequest
 from rest_framework.authtoken.models import TokenProxy
+
+if TYPE_CHECKING:
+    # django-stubs types the admin classes by the model they show, but Django's
+    # classes cannot be subscripted at runtime; these bases serve any model.
+    ModelAdminBase = admin.ModelAdmin[Any]
+    TabularInlineBase = admin.TabularInline[Any, Any]
+else:
+    ModelAdminBase = admin.ModelAdmin
+    TabularInlineBase = admin.TabularInline
 
 # What authenticates a Worker or a lease, or fingerprints a spec: never a filter.
 DIGEST_FIELDS: Final = frozenset({"token_digest", "credential_digest", "spec_digest"})
@@ -31,7 +40,7 @@ def touches_digest(lookup: str) -> bool:
     return any(part in DIGEST_FIELDS for part in lookup.split(LOOKUP_SEP))
 
 
-class DigestLookupGuard(admin.ModelAdmin):
+class DigestLookupGuard(ModelAdminBase):
     """A ModelAdmin whose changelist refuses every lookup on a digest field."""
 
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:

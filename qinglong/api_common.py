@@ -158,7 +158,13 @@ def unknown_field_error(keys: set[str]) -> ValidationError:
     )
 
 
-class StrictSerializer(serializers.Serializer):
+# Every body both APIs read or write is a JSON object: their serializers validate
+# or document dicts, never model instances. (DRF's classes are subscriptable at
+# runtime, so this is an ordinary base class.)
+BodySerializer = serializers.Serializer[dict[str, Any]]
+
+
+class StrictSerializer(BodySerializer):
     """A request serializer that rejects fields it does not declare."""
 
     def to_internal_value(self, data: Any) -> Any:
@@ -260,18 +266,18 @@ class StrictChoiceField(serializers.ChoiceField):
         return super().to_internal_value(data)
 
 
-class ErrorSerializer(serializers.Serializer):
+class ErrorSerializer(BodySerializer):
     code = serializers.CharField(help_text="Low-cardinality machine-readable error code.")
     message = serializers.CharField(help_text="Human-readable text; never echoes request values.")
 
 
-class ErrorEnvelopeSerializer(serializers.Serializer):
+class ErrorEnvelopeSerializer(BodySerializer):
     """`{"error": {"code", "message"}}` — every API failure has this shape."""
 
     error = ErrorSerializer()
 
 
-def validated(serializer_class: type[serializers.Serializer], data: Any) -> dict[str, Any]:
+def validated(serializer_class: type[BodySerializer], data: Any) -> dict[str, Any]:
     """Validate a request body; a non-object body is a 400, not a crash."""
     if not isinstance(data, Mapping):
         raise ValidationError({"body": [ErrorDetail("must be a JSON object", code="not_object")]})

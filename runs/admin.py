@@ -17,7 +17,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, holds
+from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, TabularInlineBase, holds
 from runs.models import (
     RUN_TERMINAL_STATES,
     Attempt,
@@ -31,7 +31,7 @@ from runs.models import (
 from runs.services import DefinitionError, Outcome, run_cancel, run_enqueue
 
 
-class ReadOnlyInline(admin.TabularInline):
+class ReadOnlyInline(TabularInlineBase):
     extra = 0
     can_delete = False
     show_change_link = False

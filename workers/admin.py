@@ -18,7 +18,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from qinglong.admin import ReadOnlyAdmin, holds
+from qinglong.admin import ReadOnlyAdmin, TabularInlineBase, holds
 from workers.models import Worker, WorkerAdminState, WorkerSession
 from workers.services import worker_rotate_credential, worker_set_admin_state
 
@@ -36,7 +36,7 @@ _SESSION_FIELDS = (
 )
 
 
-class WorkerSessionInline(admin.TabularInline):
+class WorkerSessionInline(TabularInlineBase):
     model = WorkerSession
     fields = ("generation", "state", "slots", "heartbeat_at", "created_at", "ended_at")
     readonly_fields = fields
