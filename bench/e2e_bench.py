@@ -685,7 +685,7 @@ def child_micro(runs: int, global_cycles: int) -> dict[str, Any]:
 
     from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
     from dispatch.cycles import dispatch_budget, dispatch_cycle
-    from dispatch.services import AckPhase, lease_ack
+    from leases.ack import AckPhase, lease_ack
     from runs.services import project_create, run_enqueue, task_create
     from workers.services import session_open, worker_enroll
 

@@ -23,10 +23,10 @@ from django.utils.functional import cached_property
 
 from dispatch.cycles import dispatch_paused, dispatch_set_paused
 from dispatch.models import DispatchControl, DispatchCycle
-from dispatch.services import lease_revoke
+from leases.end import lease_revoke
+from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
 from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, holds
-from runs.services import Outcome
 
 COUNT_CAP: Final = 10_000
 

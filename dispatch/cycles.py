@@ -27,15 +27,10 @@ from dispatch.core.offer import ClaimedExecutionOffer
 from dispatch.core.ports import DispatchScope, PullCredential, Scope
 from dispatch.core.result import DispatchCycleResult
 from dispatch.models import DispatchControl, DispatchCycle
-from dispatch.services import (
-    MAX_DELIVERIES_REASON,
-    lease_revoke,
-    leases_over_delivered,
-    leases_record_delivery,
-)
+from leases.end import leases_revoke_over_delivered
+from leases.errors import Outcome
+from leases.renew import leases_record_delivery
 from qinglong.clock import db_now
-from runs.models import AttemptState
-from runs.services import Outcome
 from workers.models import WorkerSession
 
 __all__ = [
@@ -117,18 +112,10 @@ def _session_pk(scope: DispatchScope, session_pk: int | None) -> int | None:
 
 
 def _revoke_over_delivered(*, session_pk: int, max_deliveries: int) -> int:
-    """DESIGN §4: past max_deliveries without a starting ACK, the lease is revoked
-    and the Attempt returns to pending for another Worker."""
-    revoked = 0
-    for lease_id in leases_over_delivered(max_deliveries=max_deliveries, session_pk=session_pk):
-        # Re-checked under the row locks: a starting ACK that committed after
-        # the read keeps its lease (the Attempt is no longer claimed).
-        outcome = lease_revoke(
-            lease_id, reason=MAX_DELIVERIES_REASON, only_if_attempt_state=AttemptState.CLAIMED
-        )
-        if outcome is Outcome.APPLIED:
-            revoked += 1
-    return revoked
+    """Before a pull: past max_deliveries without a starting ACK, this Session's
+    lease is revoked and the Attempt returns to pending for another Worker."""
+    outcomes = leases_revoke_over_delivered(max_deliveries=max_deliveries, session_pk=session_pk)
+    return sum(outcome is Outcome.APPLIED for outcome in outcomes)
 
 
 def _record(result: DispatchCycleResult, *, scope: DispatchScope) -> dict[str, object]:

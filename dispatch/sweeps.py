@@ -22,11 +22,11 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
 from dispatch.models import DispatchCycle
-from dispatch.services import lease_expire, lease_revoke, leases_over_delivered
+from leases.end import lease_expire, leases_revoke_over_delivered
+from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
+from leases.policy import SWEEP_BATCH, lease_expired_q
 from qinglong.clock import db_now
-from runs.models import AttemptState
-from runs.services import Outcome
 from workers.models import SESSION_ENDED_STATES, WorkerSession
 from workers.services import session_mark_offline_if_stale, sessions_stale
 
@@ -40,10 +40,11 @@ __all__ = [
     "sweep_stale_sessions",
 ]
 
-# Defaults keep one sweep well under a second on either database.
-EXPIRY_PAGE_SIZE: Final = 64
+# Defaults keep one sweep well under a second on either database; a page or
+# batch of lease or Session ids is one dispatch page at its hard cap.
+EXPIRY_PAGE_SIZE: Final = SWEEP_BATCH
 EXPIRY_MAX_PAGES: Final = 4
-SESSION_BATCH: Final = 64
+SESSION_BATCH: Final = SWEEP_BATCH
 PRUNE_BATCH: Final = 500
 PRUNE_MAX_BATCHES: Final = 10
 SESSION_PRUNE_BATCH: Final = 200
@@ -75,7 +76,7 @@ def _expired_page(now: datetime, after: tuple[datetime, int] | None, limit: int)
     # Keyset over (expires_at, id) on the partial index runlease_active_expiry:
     # rows a service left active (lost race, renewed meanwhile) are stepped
     # over instead of being re-read by every page.
-    qs = RunLease.objects.filter(state=LeaseState.ACTIVE, expires_at__lte=now)
+    qs = RunLease.objects.filter(lease_expired_q(now), state=LeaseState.ACTIVE)
     if after is not None:
         last_expiry, last_id = after
         qs = qs.filter(Q(expires_at__gt=last_expiry) | Q(expires_at=last_expiry, id__gt=last_id))
@@ -115,24 +116,22 @@ def sweep_stale_sessions(*, limit: int = SESSION_BATCH) -> SweepCounts:
     return counts
 
 
-def sweep_over_delivered_leases(*, max_deliveries: int | None = None) -> SweepCounts:
+def sweep_over_delivered_leases(
+    *, max_deliveries: int | None = None, limit: int = SWEEP_BATCH
+) -> SweepCounts:
     """Revoke claimed leases delivered `max_deliveries` times without a starting ACK."""
-    limit = (
+    deliveries = (
         int(settings.QINGLONG_DISPATCH["max_deliveries"])
         if max_deliveries is None
         else max_deliveries
     )
     counts = SweepCounts()
-    ids = leases_over_delivered(max_deliveries=limit)
-    for lease_id in ids:
-        # Still `claimed` is re-checked under the locks: a starting ACK that
-        # won meanwhile must not become a lost Attempt.
-        counts.record(
-            lease_revoke(
-                lease_id, reason="max_deliveries", only_if_attempt_state=AttemptState.CLAIMED
-            )
-        )
-    counts.truncated = len(ids) >= 64
+    # Each is re-checked under the row locks (still `claimed`): a starting ACK
+    # that won meanwhile must not become a lost Attempt.
+    outcomes = leases_revoke_over_delivered(max_deliveries=deliveries, limit=limit)
+    for outcome in outcomes:
+        counts.record(outcome)
+    counts.truncated = len(outcomes) >= limit
     return counts
 
 

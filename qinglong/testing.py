@@ -15,7 +15,7 @@ from django.conf import settings
 from dispatch.core.offer import derive_lease_token, offer_id_for, token_digest
 from dispatch.core.ports import ClaimOutcome, ClaimRequest, ClaimStatus
 from dispatch.core.spec import spec_sha256
-from dispatch.services import lease_claim
+from leases.claim import lease_claim
 from runs.models import Attempt, Project, Run, Task
 from runs.services import attempt_spec, project_create, run_enqueue, task_create
 from workers.models import Worker, WorkerSession

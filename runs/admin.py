@@ -17,7 +17,9 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, TabularInlineBase, holds
+from leases.end import run_cancel
+from leases.errors import Outcome
+from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, holds
 from runs.models import (
     RUN_TERMINAL_STATES,
     Attempt,
@@ -28,10 +30,10 @@ from runs.models import (
     Task,
     TaskRevision,
 )
-from runs.services import DefinitionError, Outcome, run_cancel, run_enqueue
+from runs.services import DefinitionError, run_enqueue
 
 
-class ReadOnlyInline(TabularInlineBase):
+class ReadOnlyInline(admin.TabularInline):
     extra = 0
     can_delete = False
     show_change_link = False

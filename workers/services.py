@@ -1,8 +1,9 @@
 """Worker Registry and Session use cases: enroll, rotate, open, heartbeat, offline.
 
-A new Session of a Worker fences every earlier one (DESIGN §4): its token stops
-working at once, and the old Session's leases end (claimed → back to pending,
-started → lost) so that nothing it was granted is ever delivered again.
+A new Session of a Worker fences every earlier one (docs/adr/0003): its token
+stops working at once, and the lease authority ends the old Session's leases
+(`leases.end.leases_end_for_session`: claimed → back to pending, started →
+lost) so that nothing it was granted is ever delivered again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from dispatch.core.errors import SpecError
 from dispatch.core.offer import token_digest
 from dispatch.core.placement import validate_labels
 from dispatch.core.spec import validate_executor_type
+from dispatch.notify import announce_sessions_fenced
+from leases.end import leases_end_for_session
+from leases.locks import lock_worker
+from leases.policy import SWEEP_BATCH, session_is_current
+from leases.renew import leases_renew_for_session
+from leases.selectors import cancelled_offer_ids
 from qinglong.clock import db_now
 from workers.models import (
     SESSION_CURRENT_STATES,
@@ -111,9 +118,6 @@ def _fence_sessions(worker: Worker, *, reason: SessionEndReason, now: datetime) 
 
 def _end_fenced_leases(session_pks: Sequence[int], *, reason: str) -> None:
     """After the fence commits: end the fenced Sessions' leases, wake their waiting pulls."""
-    from dispatch.notify import announce_sessions_fenced
-    from dispatch.services import leases_end_for_session
-
     for pk in session_pks:
         leases_end_for_session(pk, reason=reason)
     if session_pks and int(settings.QINGLONG_PULL_WAIT_MAX_S) > 0:
@@ -141,7 +145,7 @@ def worker_rotate_credential(*, worker: Worker) -> str:
         # The lock a Session open takes: an open authenticated with the old
         # credential either committed first (and is fenced here) or waits and
         # then sees the new digest (`CredentialRotated`).
-        locked = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
+        locked = lock_worker(worker.pk)
         now = db_now()
         # Fence first: this waits for a claim holding one of the Sessions, and
         # holds back any later claim. Only then change the digest, a key column
@@ -219,7 +223,7 @@ def session_open(
         # Lock the Worker: generations are handed out one at a time.
         # No-key lock: it serializes generations without blocking the foreign-key
         # checks of lease inserts (a claim holding this Worker's Session row).
-        locked = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
+        locked = lock_worker(worker.pk)
         if locked.admin_state == WorkerAdminState.DISABLED:
             raise WorkerDisabled(locked.name)
         if locked.credential_digest != worker.credential_digest:
@@ -280,7 +284,7 @@ def session_authenticate(token: str) -> WorkerSession:
     )
     if session is None:
         raise SessionRejected("invalid_session_token")
-    if session.state not in SESSION_CURRENT_STATES:
+    if not session_is_current(session):
         raise SessionRejected(_fenced_code(session))
     if session.worker.admin_state == WorkerAdminState.DISABLED:
         raise SessionRejected("worker_disabled")
@@ -330,8 +334,6 @@ def _heartbeat_looks_due(session: WorkerSession, *, wants: str, now: datetime) -
 
 def session_heartbeat(*, session: WorkerSession, draining: bool) -> Heartbeat:
     """Keep a Session online, renew its started leases, return cancel verdicts."""
-    from dispatch.services import leases_renew_for_session
-
     wants = (
         SessionState.DRAINING
         if draining or session.worker.admin_state == WorkerAdminState.DRAINING
@@ -368,8 +370,6 @@ def session_heartbeat(*, session: WorkerSession, draining: bool) -> Heartbeat:
 def _heartbeat_answer(
     session: WorkerSession, *, now: datetime, renewed: int, recorded: bool
 ) -> Heartbeat:
-    from dispatch.services import cancelled_offer_ids
-
     return Heartbeat(
         session_state=session.state,
         cancel=cancelled_offer_ids(session),
@@ -381,8 +381,6 @@ def _heartbeat_answer(
 
 def session_end(*, session_pk: int, to_state: SessionState, reason: str) -> bool:
     """Mark a current Session offline/replaced and end its leases."""
-    from dispatch.services import leases_end_for_session
-
     updated = WorkerSession.objects.filter(pk=session_pk, state__in=SESSION_CURRENT_STATES).update(
         state=to_state, ended_at=db_now(), end_reason=reason
     )
@@ -390,7 +388,7 @@ def session_end(*, session_pk: int, to_state: SessionState, reason: str) -> bool
     return updated == 1
 
 
-def sessions_stale(*, now: datetime, limit: int = 64) -> list[int]:
+def sessions_stale(*, now: datetime, limit: int = SWEEP_BATCH) -> list[int]:
     """Current Sessions whose last heartbeat is older than the session timeout."""
     cutoff = now - timedelta(seconds=settings.QINGLONG_SESSION_TIMEOUT_S)
     return list(
@@ -402,8 +400,6 @@ def sessions_stale(*, now: datetime, limit: int = 64) -> list[int]:
 
 def session_mark_offline_if_stale(*, session_pk: int) -> bool:
     """Offline sweeper step: a CAS that re-checks staleness at write time."""
-    from dispatch.services import leases_end_for_session
-
     now = db_now()
     cutoff = now - timedelta(seconds=settings.QINGLONG_SESSION_TIMEOUT_S)
     updated = WorkerSession.objects.filter(

@@ -21,8 +21,10 @@ from django.db.models import Count, F, IntegerField, OuterRef, Q, QuerySet, Subq
 from django.db.models.functions import Coalesce
 from django.utils.dateparse import parse_datetime
 
+from dispatch.core.budget import HARD_CAPS
 from dispatch.core.errors import SpecError
 from dispatch.core.placement import validate_placement
+from dispatch.core.policy import free_slots
 from dispatch.core.ports import (
     Candidate,
     DispatchPlan,
@@ -33,12 +35,13 @@ from dispatch.core.ports import (
     RecoverableLease,
     WorkerRecord,
 )
-from dispatch.services import DatabaseClaimPort
+from leases import policy
+from leases.claim import DatabaseClaimPort
 from leases.models import LeaseState, RunLease
 from qinglong.clock import DatabaseClock
 from runs.models import Attempt, AttemptState, RunState
 from runs.services import attempt_spec
-from workers.models import SESSION_CURRENT_STATES, SessionState, WorkerAdminState, WorkerSession
+from workers.models import WorkerSession
 
 __all__ = [
     "OrmCandidateSource",
@@ -51,6 +54,7 @@ __all__ = [
 ]
 
 _CURSOR_SEP: Final = "|"
+_MAX_LIMIT: Final = HARD_CAPS["page_size"]
 
 
 def _id_cursor(cursor: str | None) -> int | None:
@@ -64,8 +68,8 @@ def _id_cursor(cursor: str | None) -> int | None:
 def _check_limit(limit: int) -> None:
     # The core never asks for more than a hard-capped page (ADR §1); a caller
     # that does is a bug, and silently reading a huge page is what we prevent.
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 64:
-        raise ValueError("limit must be an integer from 1 to 64")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_LIMIT:
+        raise ValueError(f"limit must be an integer from 1 to {_MAX_LIMIT}")
 
 
 def _session_uuid(scope: DispatchScope) -> uuid.UUID | None:
@@ -96,6 +100,11 @@ class OrmLeaseRecoverySource:
         _check_limit(limit)
         after = _id_cursor(cursor)
         qs = RunLease.objects.filter(
+            policy.lease_live_q(observed_at),
+            # The granted Session must still be the Worker's current one, at
+            # the generation the lease was granted to: a replaced or offline
+            # Session's lease is never delivered again.
+            policy.lease_session_current_q(),
             state=LeaseState.ACTIVE,
             # ADR §5: recovery only covers the window before the starting ACK,
             # and only for the lease generation the Attempt still carries.
@@ -103,11 +112,6 @@ class OrmLeaseRecoverySource:
             attempt__lease_generation=F("lease_generation"),
             run__state=RunState.DISPATCHING,
             run__cancel_requested=False,
-            expires_at__gt=observed_at,
-            # The granted Session must still be the Worker's current one: a
-            # replaced or offline Session's lease is never delivered again.
-            session__state__in=SESSION_CURRENT_STATES,
-            session__generation=F("session_generation"),
             delivery_count__lt=max_deliveries,
         )
         if scope.session is not None:
@@ -298,9 +302,7 @@ class OrmWorkerSnapshotSource:
         after = _id_cursor(cursor)
         # Draining Sessions/Workers keep their leases but take no new claims,
         # so they are not in the snapshot at all (only recovery sees them).
-        qs: QuerySet[WorkerSession] = WorkerSession.objects.filter(
-            state=SessionState.ONLINE, worker__admin_state=WorkerAdminState.ACTIVE
-        )
+        qs: QuerySet[WorkerSession] = WorkerSession.objects.filter(policy.claimable_sessions_q())
         if scope.session is not None:
             session_uuid = _session_uuid(scope)
             if session_uuid is None or not scope.session.worker_id.isdigit():
@@ -336,7 +338,6 @@ class OrmWorkerSnapshotSource:
 
 
 def _worker_record(session: WorkerSession) -> WorkerRecord:
-    capacity = min(session.slots, session.worker.slots)
     active: int = session.active_leases  # type: ignore[attr-defined]
     return WorkerRecord(
         worker_id=str(session.worker_id),
@@ -344,7 +345,7 @@ def _worker_record(session: WorkerSession) -> WorkerRecord:
         session_generation=session.generation,
         executor_types=frozenset(str(t) for t in session.executor_types),
         labels={str(k): str(v) for k, v in dict(session.labels).items()},
-        free_slots=max(0, capacity - active),
+        free_slots=free_slots(policy.session_capacity(session), active),
     )
 
 

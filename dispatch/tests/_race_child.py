@@ -30,7 +30,8 @@ def main(argv: list[str]) -> int:
 
     from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
     from dispatch.cycles import dispatch_cycle
-    from dispatch.services import AckPhase, LeaseError, lease_ack
+    from leases.ack import AckPhase, lease_ack
+    from leases.errors import LeaseError
     from runs.models import Run, RunState
     from workers.models import WorkerSession
 

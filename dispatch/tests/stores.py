@@ -30,13 +30,16 @@ from dispatch.core.ports import (
     SessionRef,
 )
 from dispatch.core.spec import spec_sha256
-from dispatch.services import AckPhase, lease_ack, lease_revoke, leases_record_delivery
 from dispatch.sweeps import sweep_over_delivered_leases
+from leases.ack import AckPhase, lease_ack
+from leases.end import lease_revoke, run_cancel
+from leases.errors import Outcome
 from leases.models import RunLease
+from leases.renew import leases_record_delivery
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, Run, Task
-from runs.services import Outcome, project_create, run_cancel, run_enqueue, task_update
+from runs.services import project_create, run_enqueue, task_update
 from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 from workers.services import session_open
 

@@ -1,7 +1,7 @@
-"""`dispatch_cycle` end to end on the real database (ADR-0014 验证要求, DB level).
+"""`dispatch_cycle` end to end on the real database (docs/adr/0001, database level).
 
 Runs on SQLite and on PostgreSQL. Cross-connection races live in
-`test_lost_races_postgres.py` and `test_race_postgres.py`.
+`leases/tests/test_lost_races_postgres.py` and `test_race_postgres.py`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleReason, CycleStatus
 from dispatch.cycles import dispatch_cycle, dispatch_paused, dispatch_set_paused
 from dispatch.models import DispatchCycle
+from leases.end import run_cancel
 from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState
-from runs.services import run_cancel, task_update
+from runs.services import task_update
 from workers.models import WorkerSession
 from workers.services import session_open
 

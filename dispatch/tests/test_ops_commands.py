@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from dispatch.cycles import dispatch_set_paused
 from dispatch.models import DispatchCycle
-from dispatch.services import AckPhase, lease_ack
+from leases.ack import AckPhase, lease_ack
 from leases.models import LeaseState, RunLease
 from qinglong.testing import claim, make_run, make_worker, open_session, pending_attempt
 from runs.models import Attempt, Run

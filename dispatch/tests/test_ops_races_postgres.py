@@ -17,14 +17,15 @@ from typing import Any
 import pytest
 from django.db import connections
 
-from dispatch import services
-from dispatch.services import AckPhase, LeaseConflict, lease_ack
 from dispatch.sweeps import sweep_expired_leases
+from leases import ack as ack_use_case
+from leases import end as end_use_case
+from leases.ack import AckPhase, lease_ack
+from leases.errors import LeaseConflict, Outcome
 from leases.models import LeaseState, RunLease
 from qinglong.clock import db_now
 from qinglong.testing import claim, make_run, open_session, pending_attempt
 from runs.models import Attempt, Run
-from runs.services import Outcome
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -45,9 +46,11 @@ def in_thread(name: str, fn: Callable[[], Any], results: dict[str, Any]) -> thre
     return thread
 
 
-def hold_inside(monkeypatch, func_name: str, *, thread: str, entered: threading.Event) -> None:
-    """Make `services.<func_name>` pause (locks held, transaction open) in one thread."""
-    real = getattr(services, func_name)
+def hold_inside(
+    monkeypatch, module: Any, func_name: str, *, thread: str, entered: threading.Event
+) -> None:
+    """Make `module.<func_name>` pause (locks held, transaction open) in one thread."""
+    real = getattr(module, func_name)
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name == thread:
@@ -55,7 +58,7 @@ def hold_inside(monkeypatch, func_name: str, *, thread: str, entered: threading.
             time.sleep(HOLD_S)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(services, func_name, slow)
+    monkeypatch.setattr(module, func_name, slow)
 
 
 def claimed(ack: tuple[AckPhase, ...] = ()):
@@ -91,7 +94,7 @@ def test_starting_ack_committing_as_the_lease_expires_wins_and_the_sweeper_backs
     # The ACK passes its expiry check, then holds its locks past expires_at.
     expire_in(lease, HOLD_S / 2)
     entered = threading.Event()
-    hold_inside(monkeypatch, "_lease_touch", thread="ack", entered=entered)
+    hold_inside(monkeypatch, ack_use_case, "lease_extend", thread="ack", entered=entered)
     results: dict[str, Any] = {}
     ack = in_thread("ack", lambda: ack_phase(session, lease, token, AckPhase.STARTING), results)
     assert entered.wait(10)
@@ -113,7 +116,7 @@ def test_sweeper_expiring_first_makes_the_waiting_starting_ack_a_409(monkeypatch
     session, run, lease, token = claimed()
     expire_in(lease, -1)
     entered = threading.Event()
-    hold_inside(monkeypatch, "_lease_close", thread="sweeper", entered=entered)
+    hold_inside(monkeypatch, end_use_case, "lease_transition", thread="sweeper", entered=entered)
     results: dict[str, Any] = {}
     sweeper = in_thread("sweeper", sweep_expired_leases, results)
     assert entered.wait(10)
@@ -137,7 +140,7 @@ def test_completion_committing_while_the_sweeper_waits_is_never_overwritten(monk
     expire_in(lease, HOLD_S / 2)
     entered = threading.Event()
     # Hold the succeeded ACK after it released the lease, before it commits.
-    hold_inside(monkeypatch, "attempt_finish", thread="ack", entered=entered)
+    hold_inside(monkeypatch, ack_use_case, "attempt_finish", thread="ack", entered=entered)
     results: dict[str, Any] = {}
     ack = in_thread("ack", lambda: ack_phase(session, lease, token, AckPhase.SUCCEEDED), results)
     assert entered.wait(10)

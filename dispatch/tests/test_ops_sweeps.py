@@ -9,7 +9,6 @@ from django.test import override_settings
 from django.utils import timezone
 
 from dispatch.models import DispatchCycle
-from dispatch.services import AckPhase, lease_ack
 from dispatch.sweeps import (
     prune_dispatch_cycles,
     run_all_sweeps,
@@ -17,6 +16,7 @@ from dispatch.sweeps import (
     sweep_over_delivered_leases,
     sweep_stale_sessions,
 )
+from leases.ack import AckPhase, lease_ack
 from leases.models import LeaseState, RunLease
 from qinglong.testing import claim, make_run, make_worker, open_session, pending_attempt
 from runs.models import Attempt, Run

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from django.db import connections
 
-from dispatch import services as ds
 from dispatch.core.ports import ClaimStatus
 from dispatch.sweeps import prune_ended_sessions
+from leases import claim as ds
 from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now

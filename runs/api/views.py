@@ -22,9 +22,10 @@ from rest_framework.exceptions import ErrorDetail, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from leases.end import run_cancel
+from leases.errors import Outcome
 from qinglong.api_common import (
     ApiView,
-    BodySerializer,
     FullMatchRegexValidator,
     QueryIntegerField,
     StrictCharField,
@@ -48,15 +49,7 @@ from runs.api.serializers import (
     TaskSerializer,
 )
 from runs.models import Project, Run, RunState, Task
-from runs.services import (
-    DefinitionError,
-    Outcome,
-    project_create,
-    run_cancel,
-    run_enqueue,
-    task_create,
-    task_update,
-)
+from runs.services import DefinitionError, project_create, run_enqueue, task_create, task_update
 
 _CANCEL_RETRIES = 3
 
@@ -115,7 +108,7 @@ def _object_body(data: Any) -> dict[str, Any]:
     return dict(data)
 
 
-def _query(serializer_class: type[BodySerializer], request: Request) -> dict[str, Any]:
+def _query(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:
     params = request.query_params
     if any(len(params.getlist(key)) > 1 for key in params):
         raise ValidationError({"query": [ErrorDetail("repeated parameter", code="repeated")]})

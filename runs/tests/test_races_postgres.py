@@ -17,11 +17,14 @@ import pytest
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
-from dispatch.services import AckPhase, LeaseError, lease_ack, lease_revoke
+from leases.ack import AckPhase, lease_ack
+from leases.end import lease_revoke
+from leases.errors import LeaseError, LostRace, Outcome
 from leases.models import LeaseState, RunLease
+from leases.transitions import attempt_transition
 from qinglong.testing import claim, definition, make_run, make_task, open_session, pending_attempt
-from runs.models import Attempt, AttemptEvent, Run, TaskRevision
-from runs.services import LostRace, Outcome, attempt_transition, task_update
+from runs.models import Attempt, AttemptEvent, AttemptState, Run, TaskRevision
+from runs.services import task_update
 from workers.models import WorkerSession
 from workers.services import SessionRejected, session_heartbeat, session_mark_offline_if_stale
 
@@ -59,7 +62,7 @@ def test_attempt_cas_second_connection_commits_first_then_we_lose():
         try:
             with transaction.atomic():
                 fresh = Attempt.objects.get(pk=attempt.pk)
-                attempt_transition(fresh, "cancelled", reason="other")
+                attempt_transition(fresh, AttemptState.CANCELLED, reason="other")
         finally:
             connections.close_all()
             done.set()
@@ -86,7 +89,7 @@ def test_attempt_cas_waits_for_a_held_row_lock_then_loses():
                 fresh = Attempt.objects.select_for_update().get(pk=attempt.pk)
                 locked.set()
                 release.wait(10)
-                attempt_transition(fresh, "cancelled", reason="holder")
+                attempt_transition(fresh, AttemptState.CANCELLED, reason="holder")
         finally:
             connections.close_all()
 

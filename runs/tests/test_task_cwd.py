@@ -21,10 +21,11 @@ from dispatch.core.ports import DispatchScope
 from dispatch.core.result import CycleReason
 from dispatch.cycles import dispatch_cycle
 from dispatch.models import DispatchCycle
+from leases.end import run_cancel
 from leases.models import RunLease
 from qinglong.testing import CANARY_CWD, make_project, make_run, make_task, open_session
 from runs.models import RunState, Task, TaskRevision
-from runs.services import run_cancel, run_enqueue
+from runs.services import run_enqueue
 from workers.tests.api_helpers import API, error_code, operator_headers, post_json, put_json
 
 pytestmark = pytest.mark.django_db

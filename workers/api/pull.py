@@ -1,6 +1,6 @@
 """The pull use case of the Worker API: guard the pull id, cap, run one cycle.
 
-DESIGN §4 / ADR-0108: the Worker sends a `pull_id` and a fresh lease token.
+docs/adr/0003: the Worker sends a `pull_id` and a fresh lease token.
 Repeating the same pair rebuilds the same response from the durable lease
 (session-scope recovery echoes the token); the same `pull_id` with another
 token is a 409 and runs no cycle at all.
@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import connection
 
-from dispatch.core.offer import ClaimedExecutionOffer, token_digest, tokens_equal
+from dispatch.core.offer import ClaimedExecutionOffer, token_digest
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleReason, CycleStatus, DispatchCycleResult
 from dispatch.cycles import dispatch_cycle
 from dispatch.notify import Wake, offer_subscription
-from leases.models import LeaseState, RunLease
-from runs.models import AttemptState
+from leases.selectors import pull_id_conflicts, session_free_slots
 from workers.models import WorkerSession
 
 
@@ -41,31 +40,6 @@ class PullResult:
     def __repr__(self) -> str:
         # Offers hold specs and tokens: only counts may be shown.
         return f"PullResult(status={self.status!r}, offers={len(self.offers)})"
-
-
-def _pull_id_conflicts(session: WorkerSession, *, pull_id: uuid.UUID, lease_token: str) -> bool:
-    digest = token_digest(lease_token)
-    digests = RunLease.objects.filter(session=session, pull_id=pull_id).values_list(
-        "token_digest", flat=True
-    )
-    # Constant time per comparison: response timing must not leak a digest.
-    return any(not tokens_equal(digest, stored) for stored in digests)
-
-
-def session_free_slots(session: WorkerSession) -> int:
-    """Slots not taken by started work.
-
-    Claimed-but-not-started leases are not subtracted: the pull re-delivers
-    them (recovery) and they must fit in the response; the claim itself still
-    counts every active lease against the Session's capacity.
-    """
-    capacity = min(session.slots, session.worker.slots)
-    started = RunLease.objects.filter(
-        session=session,
-        state=LeaseState.ACTIVE,
-        attempt__state__in=(AttemptState.STARTING, AttemptState.RUNNING),
-    ).count()
-    return max(0, capacity - started)
 
 
 class _WaiterSlots:
@@ -125,7 +99,9 @@ def worker_pull(
     waiting off, or with QL_PULL_WAIT_MAX_WAITERS pulls already waiting in this
     process, it is a plain pull.
     """
-    if _pull_id_conflicts(session, pull_id=pull_id, lease_token=lease_token):
+    if pull_id_conflicts(
+        session_pk=session.pk, pull_id=pull_id, token_digest=token_digest(lease_token)
+    ):
         raise PullIdConflict
     cap = min(max_offers, session_free_slots(session))
     if cap < 1:

@@ -17,9 +17,8 @@ from rest_framework.validators import ProhibitSurrogateCharactersValidator
 from dispatch.core.placement import LABEL_KEY_RE, LABEL_VALUE_RE
 from dispatch.core.result import CycleReason, CycleStatus
 from dispatch.core.spec import MAX_SPEC_BYTES
-from dispatch.services import AckPhase
+from leases.ack import AckPhase
 from qinglong.api_common import (
-    BodySerializer,
     FullMatchRegexValidator,
     StrictBooleanField,
     StrictCharField,
@@ -97,7 +96,7 @@ class SessionOpenRequestSerializer(StrictSerializer):
     agent_version = StrictCharField(max_length=64, required=False, allow_blank=True)
 
 
-class SessionOpenResponseSerializer(BodySerializer):
+class SessionOpenResponseSerializer(serializers.Serializer):
     session_id = serializers.UUIDField()
     generation = serializers.IntegerField()
     session_token = serializers.CharField(help_text="Shown once; send as `Bearer` on every call.")
@@ -114,7 +113,7 @@ class HeartbeatRequestSerializer(StrictSerializer):
     )
 
 
-class HeartbeatResponseSerializer(BodySerializer):
+class HeartbeatResponseSerializer(serializers.Serializer):
     session_state = serializers.ChoiceField(
         choices=[SessionState.ONLINE.value, SessionState.DRAINING.value]
     )
@@ -144,12 +143,12 @@ class PullRequestSerializer(StrictSerializer):
     )
 
 
-class ResourcesSerializer(BodySerializer):
+class ResourcesSerializer(serializers.Serializer):
     cpu_millis = serializers.IntegerField()
     memory_mb = serializers.IntegerField()
 
 
-class ExecutionSpecSerializer(BodySerializer):
+class ExecutionSpecSerializer(serializers.Serializer):
     spec_version = serializers.IntegerField()
     run_id = serializers.CharField()
     attempt_id = serializers.CharField()
@@ -164,7 +163,7 @@ class ExecutionSpecSerializer(BodySerializer):
     resources = ResourcesSerializer()
 
 
-class LeaseGrantSerializer(BodySerializer):
+class LeaseGrantSerializer(serializers.Serializer):
     lease_id = serializers.CharField()
     generation = serializers.IntegerField()
     token = serializers.CharField(
@@ -178,7 +177,7 @@ class LeaseGrantSerializer(BodySerializer):
     expires_at = serializers.DateTimeField()
 
 
-class OfferSerializer(BodySerializer):
+class OfferSerializer(serializers.Serializer):
     offer_id = serializers.CharField()
     source = serializers.ChoiceField(choices=["new_claim", "lease_recovery"])  # type: ignore[assignment]  # a field named like Field.source
     run_id = serializers.CharField()
@@ -200,7 +199,7 @@ class OfferSerializer(BodySerializer):
     placement_score = serializers.IntegerField(allow_null=True)
 
 
-class PullResponseSerializer(BodySerializer):
+class PullResponseSerializer(serializers.Serializer):
     offers = OfferSerializer(many=True)
     status = serializers.ChoiceField(choices=[s.value for s in CycleStatus])
     reason = serializers.ChoiceField(choices=[r.value for r in CycleReason])
@@ -306,7 +305,7 @@ class AckRequestSerializer(StrictSerializer):
         return attrs
 
 
-class AckResponseSerializer(BodySerializer):
+class AckResponseSerializer(serializers.Serializer):
     offer_id = serializers.CharField()
     attempt_state = serializers.ChoiceField(choices=AttemptState.choices)
     run_state = serializers.ChoiceField(choices=RunState.choices)

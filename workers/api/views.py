@@ -16,7 +16,8 @@ from rest_framework.response import Response
 
 import workers.api.schema  # noqa: F401  (registers the OpenAPI security schemes)
 from dispatch.core.ports import to_rfc3339
-from dispatch.services import AckPhase, LeaseError, lease_ack
+from leases.ack import AckPhase, lease_ack
+from leases.errors import LeaseError
 from qinglong.api_common import ApiView, parse_query_int, unknown_field_error, validated
 from qinglong.api_errors import ApiError, safe_field_name
 from qinglong.api_schema import error_responses, retry_after

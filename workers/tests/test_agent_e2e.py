@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from django.test import override_settings
 
+from leases.end import run_cancel
 from qinglong.testing import make_project, make_worker
 from runs.models import Run
-from runs.services import run_cancel, run_enqueue, task_create
+from runs.services import run_enqueue, task_create
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

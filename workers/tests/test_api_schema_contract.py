@@ -15,7 +15,7 @@ import pytest
 from django.test import Client
 from jsonschema import Draft4Validator  # type: ignore[import-untyped]
 
-from dispatch.services import AckPhase
+from leases.ack import AckPhase
 from workers.api.serializers import (
     ACK_PHASE_DEPENDENT_FIELDS,
     ACK_PHASE_FIELDS,

@@ -19,12 +19,15 @@ from typing import Any, Final
 from django.core.management.base import BaseCommand, CommandParser
 
 from dispatch.core.errors import SpecError
+from dispatch.core.policy import spec_matches_lease
 from dispatch.core.spec import spec_sha256
-from dispatch.services import lease_expire, lease_revoke
+from leases import policy
+from leases.end import lease_expire, lease_revoke
+from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
 from qinglong.clock import db_now
 from runs.models import ATTEMPT_TERMINAL_STATES, RUN_TERMINAL_STATES, AttemptState
-from runs.services import Outcome, attempt_spec
+from runs.services import attempt_spec
 from workers.models import SessionState
 
 # Healthy categories first, then problems in the order they are checked: the
@@ -71,12 +74,12 @@ def classify(lease: RunLease, *, now: datetime) -> str:
         or session.generation != lease.session_generation
     ):
         return "orphaned"
-    if lease.expires_at <= now:
+    if not policy.lease_is_live(lease, now=now):
         return "expired"
-    if session.state == SessionState.REPLACED:
-        return "session_replaced"
-    if session.state == SessionState.OFFLINE:
-        return "session_offline"
+    if not policy.session_may_act(session, generation=lease.session_generation):
+        # Fenced at the lease's own generation (checked above): the Session
+        # was replaced or went offline, and the category names which.
+        return f"session_{SessionState(session.state)}"
     if run.cancel_requested:
         # A started Attempt of a cancelled Run is the normal in-progress cancel:
         # heartbeats and ACKs carry the verdict and the Worker's terminal ACK
@@ -101,7 +104,7 @@ def _spec_drifted(lease: RunLease) -> bool:
         spec = attempt_spec(attempt=lease.attempt, run=lease.run, revision=lease.run.task_revision)
     except SpecError:
         return True
-    return spec_sha256(spec) != lease.spec_digest
+    return not spec_matches_lease(spec_sha256(spec), lease.spec_digest)
 
 
 def audit(*, now: datetime) -> list[LeaseFinding]:

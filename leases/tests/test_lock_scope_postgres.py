@@ -14,9 +14,9 @@ import pytest
 from django.conf import settings
 from django.db import connection, transaction
 
-from dispatch import services as ds
 from dispatch.core.ports import ClaimStatus
-from dispatch.services import AckPhase, lease_ack
+from leases import claim as ds
+from leases.ack import AckPhase, lease_ack
 from leases.models import LeaseState, RunLease
 from qinglong import testing
 from runs.models import Run

@@ -19,12 +19,14 @@ import pytest
 from django.db import connection, transaction
 
 from dispatch.core.ports import ClaimStatus
-from dispatch.services import AckPhase, LeaseConflict, lease_ack, lease_claim, lease_expire
+from leases.ack import AckPhase, lease_ack
+from leases.claim import lease_claim
+from leases.end import lease_expire, run_cancel
+from leases.errors import LeaseConflict, Outcome
 from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState
-from runs.services import Outcome, run_cancel
 from workers.models import SESSION_CURRENT_STATES, Worker, WorkerSession
 from workers.services import session_open
 

@@ -13,26 +13,20 @@ import pytest
 from django.utils import timezone
 
 from dispatch.core.ports import ClaimStatus
-from dispatch.services import (
-    AckPhase,
+from leases.ack import AckPhase, lease_ack
+from leases.end import lease_expire, lease_revoke, run_cancel
+from leases.errors import (
+    IllegalTransition,
     LeaseConflict,
     LeaseForbidden,
     LeaseNotFound,
-    lease_ack,
-    lease_expire,
-    lease_revoke,
-)
-from leases.models import LeaseState, RunLease
-from qinglong.testing import claim, make_run, make_task, open_session, pending_attempt
-from runs.models import Attempt, AttemptEvent, Run
-from runs.services import (
-    IllegalTransition,
     LostRace,
     Outcome,
-    attempt_transition,
-    run_cancel,
-    run_transition,
 )
+from leases.models import LeaseState, RunLease
+from leases.transitions import attempt_transition, lease_transition, run_transition
+from qinglong.testing import claim, make_run, make_task, open_session, pending_attempt
+from runs.models import Attempt, AttemptEvent, Run
 
 pytestmark = pytest.mark.django_db
 
@@ -310,10 +304,8 @@ def test_lease_ending_lost_race_changes_nothing(claimed):
     lease = RunLease.objects.get(offer_id=offer_id)
     stale = RunLease.objects.get(pk=lease.pk)
     RunLease.objects.filter(pk=lease.pk).update(version=lease.version + 1)  # another writer
-    from dispatch.services import _lease_close
-
     with pytest.raises(LostRace):
-        _lease_close(stale, LeaseState.REVOKED, reason="test", now=timezone.now())
+        lease_transition(stale, LeaseState.REVOKED, reason="test", now=timezone.now())
     assert RunLease.objects.get(pk=lease.pk).state == LeaseState.ACTIVE
 
 
@@ -376,20 +368,20 @@ def test_cancel_lost_race_is_reported():
     run = make_run(task)
     # Another writer moves the Attempt after the cancel read it: simulate by a
     # concurrent version bump between the Run lock and the Attempt CAS.
-    from runs import services
+    from leases import end
 
-    original = services._active_attempt
+    original = end._active_attempt
 
     def stale_read(locked):
         attempt = original(locked)
         Attempt.objects.filter(pk=attempt.pk).update(version=attempt.version + 1)
         return attempt
 
-    services._active_attempt = stale_read
+    end._active_attempt = stale_read
     try:
         assert run_cancel(run=run) is Outcome.LOST_RACE
     finally:
-        services._active_attempt = original
+        end._active_attempt = original
     assert Run.objects.get(pk=run.pk).state == "queued"
     assert not Run.objects.get(pk=run.pk).cancel_requested
 

@@ -1,0 +1,268 @@
+"""How leases, Attempts and Runs end: expire, revoke, fence, cancel, finish.
+
+- `lease_end` (`lease_expire`, `lease_revoke`): a lease that ends while its
+  Attempt is `claimed` returns the Attempt to `pending` (nothing ran; the
+  next claim uses lease generation + 1); while `starting`/`running` the
+  Worker may have run it, so the Attempt is `lost` and the retry policy
+  decides.
+- `leases_end_for_session`: fencing. The active leases of a Session that is
+  no longer current end with it.
+- `leases_revoke_over_delivered`: a lease delivered `max_deliveries` times
+  without a starting ACK is revoked and its Attempt returns to pending.
+- `attempt_finish`: a terminal Attempt and the retry policy of its Run.
+- `run_cancel`: an operator's cancel.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from datetime import datetime
+from typing import Unpack
+
+from django.db import IntegrityError, transaction
+
+from leases import policy
+from leases.errors import LostRace, Outcome
+from leases.locks import lock_active_lease, lock_lease_chain
+from leases.models import LeaseState, RunLease
+from leases.selectors import MAX_DELIVERIES_REASON, leases_over_delivered
+from leases.transitions import (
+    AttemptReport,
+    attempt_transition,
+    lease_transition,
+    run_request_cancel,
+    run_transition,
+)
+from qinglong.clock import db_now
+from runs.models import (
+    ATTEMPT_ACTIVE_STATES,
+    RUN_TERMINAL_STATES,
+    Attempt,
+    AttemptState,
+    Run,
+    RunState,
+)
+
+__all__ = [
+    "EndKind",
+    "attempt_finish",
+    "lease_end",
+    "lease_end_for_attempt",
+    "lease_expire",
+    "lease_revoke",
+    "leases_end_for_session",
+    "leases_revoke_over_delivered",
+    "run_cancel",
+]
+
+logger = logging.getLogger("qinglong.dispatch")
+
+_CONTROL_PLANE = "control-plane"
+
+
+# --------------------------------------------------------------- retry policy
+
+
+def attempt_finish(
+    attempt: Attempt,
+    run: Run,
+    to_state: AttemptState,
+    *,
+    reason: str,
+    actor: str = "",
+    now: datetime,
+    **report: Unpack[AttemptReport],
+) -> None:
+    """Move an Attempt to a terminal state and apply the retry policy to its Run.
+
+    `start_failed`/`failed`/`lost` create the next Attempt while attempts <
+    max_attempts (the Run goes back to `queued`), else the Run fails. A Run
+    whose cancellation was requested ends `cancelled`, whatever the outcome.
+    """
+    attempt_transition(attempt, to_state, reason=reason, actor=actor, finished_at=now, **report)
+    if run.cancel_requested:
+        run_transition(run, RunState.CANCELLED, finished_at=now)
+        return
+    if to_state == AttemptState.SUCCEEDED:
+        run_transition(run, RunState.SUCCEEDED, finished_at=now)
+        return
+    if to_state == AttemptState.CANCELLED:
+        run_transition(run, RunState.CANCELLED, finished_at=now)
+        return
+    if attempt.number < run.task_revision.max_attempts:
+        run_transition(run, RunState.QUEUED)
+        try:
+            with transaction.atomic():
+                Attempt.objects.create(
+                    run=run,
+                    number=attempt.number + 1,
+                    priority=run.priority,
+                    # Keep the Run's place in the queue: a retry is not new work.
+                    queued_at=run.queued_at,
+                )
+        except IntegrityError:
+            raise LostRace(f"run {run.pk} already has a next attempt") from None
+        return
+    run_transition(run, RunState.FAILED, finished_at=now)
+
+
+# --------------------------------------------------------------- lease ending
+
+
+def _return_or_lose(attempt: Attempt, run: Run, *, reason: str, now: datetime) -> None:
+    """What an ended lease does to its Attempt (see the module docstring)."""
+    if attempt.state == AttemptState.CLAIMED:
+        attempt_transition(attempt, AttemptState.PENDING, reason=reason, actor=_CONTROL_PLANE)
+        run_transition(run, RunState.QUEUED)
+    elif attempt.state in (AttemptState.STARTING, AttemptState.RUNNING):
+        attempt_finish(
+            attempt, run, AttemptState.LOST, reason=reason, actor=_CONTROL_PLANE, now=now
+        )
+
+
+class EndKind(enum.StrEnum):
+    EXPIRE = "expire"  # only if past expires_at by the database clock
+    REVOKE = "revoke"  # regardless of expiry
+
+
+def lease_end(
+    lease_id: int,
+    *,
+    kind: EndKind,
+    reason: str,
+    only_if_attempt_state: AttemptState | None = None,
+) -> Outcome:
+    """Expire or revoke one active lease and return/lose its Attempt.
+
+    `only_if_attempt_state` re-checks, under the row locks, the condition a
+    sweeper selected the lease by (e.g. "still claimed"), so a starting ACK that
+    committed in between is never turned into a lost Attempt.
+    """
+    try:
+        with transaction.atomic(durable=True):
+            chain = lock_lease_chain(lease_id)
+            if chain is None:
+                return Outcome.UNCHANGED
+            run, attempt, lease = chain.run, chain.attempt, chain.lease
+            if lease.state != LeaseState.ACTIVE:
+                return Outcome.UNCHANGED
+            if only_if_attempt_state is not None and (
+                attempt.state != only_if_attempt_state
+                or attempt.lease_generation != lease.lease_generation
+            ):
+                return Outcome.UNCHANGED
+            now = db_now()
+            if kind is EndKind.EXPIRE and policy.lease_is_live(lease, now=now):
+                return Outcome.UNCHANGED
+            to_state = LeaseState.EXPIRED if kind is EndKind.EXPIRE else LeaseState.REVOKED
+            lease_transition(lease, to_state, reason=reason, now=now)
+            if attempt.lease_generation == lease.lease_generation:
+                _return_or_lose(attempt, run, reason=reason, now=now)
+    except LostRace:
+        return Outcome.LOST_RACE
+    logger.info(
+        "lease ended",
+        extra={"event": f"lease_{to_state}", "lease_id": lease_id, "reason": reason},
+    )
+    return Outcome.APPLIED
+
+
+def lease_expire(lease_id: int) -> Outcome:
+    return lease_end(lease_id, kind=EndKind.EXPIRE, reason="lease_expired")
+
+
+def lease_revoke(
+    lease_id: int, *, reason: str, only_if_attempt_state: AttemptState | None = None
+) -> Outcome:
+    return lease_end(
+        lease_id, kind=EndKind.REVOKE, reason=reason, only_if_attempt_state=only_if_attempt_state
+    )
+
+
+def lease_end_for_attempt(attempt: Attempt, *, reason: str, now: datetime) -> None:
+    """Revoke the Attempt's active lease (inside the caller's transaction, Run locked)."""
+    lease = lock_active_lease(attempt)
+    if lease is not None:
+        lease_transition(lease, LeaseState.REVOKED, reason=reason, now=now)
+
+
+def leases_end_for_session(session_pk: int, *, reason: str) -> int:
+    """Fence: revoke every active lease of a Session that is no longer current."""
+    ended = 0
+    ids = list(
+        RunLease.objects.filter(session_id=session_pk, state=LeaseState.ACTIVE)
+        .order_by("id")
+        .values_list("id", flat=True)
+    )
+    for lease_id in ids:
+        if lease_revoke(lease_id, reason=reason) is Outcome.APPLIED:
+            ended += 1
+    return ended
+
+
+def leases_revoke_over_delivered(
+    *, max_deliveries: int, session_pk: int | None = None, limit: int = policy.SWEEP_BATCH
+) -> list[Outcome]:
+    """Revoke claimed leases delivered `max_deliveries` times without a starting ACK.
+
+    At most `limit` per call (the sweeper calls again; a pull revokes its own
+    Session's before its cycle). Each is re-checked under the row locks: a
+    starting ACK that committed after the read keeps its lease, because the
+    Attempt is no longer `claimed`. Returns one outcome per lease examined.
+    """
+    return [
+        lease_revoke(
+            lease_id, reason=MAX_DELIVERIES_REASON, only_if_attempt_state=AttemptState.CLAIMED
+        )
+        for lease_id in leases_over_delivered(
+            max_deliveries=max_deliveries, session_pk=session_pk, limit=limit
+        )
+    ]
+
+
+# ---------------------------------------------------------------------- cancel
+
+
+def _active_attempt(run: Run) -> Attempt | None:
+    return run.attempts.filter(state__in=ATTEMPT_ACTIVE_STATES).order_by("-number").first()
+
+
+def run_cancel(*, run: Run, actor: str = "") -> Outcome:
+    """Cancel a Run (idempotent).
+
+    A Run not yet started is cancelled at once (its claimed lease is revoked);
+    a started one gets `cancel_requested`, which heartbeats and ACKs carry to the
+    Worker, and its terminal ACK (or lease loss) ends the Run `cancelled`.
+    """
+    try:
+        with transaction.atomic(durable=True):
+            # Row lock: the Run, its active Attempt and lease change together.
+            locked = Run.objects.select_for_update().select_related("task_revision").get(pk=run.pk)
+            if locked.state in RUN_TERMINAL_STATES:
+                return Outcome.UNCHANGED
+            if locked.cancel_requested and locked.state == RunState.RUNNING:
+                return Outcome.UNCHANGED
+            now = db_now()
+            run_request_cancel(locked)
+            attempt = _active_attempt(locked)
+            if attempt is not None and attempt.state in (
+                AttemptState.PENDING,
+                AttemptState.CLAIMED,
+            ):
+                if attempt.state == AttemptState.CLAIMED:
+                    lease_end_for_attempt(attempt, reason="run_cancelled", now=now)
+                attempt_transition(
+                    attempt,
+                    AttemptState.CANCELLED,
+                    reason="run_cancelled",
+                    actor=actor,
+                    finished_at=now,
+                )
+                run_transition(locked, RunState.CANCELLED, finished_at=now)
+            elif attempt is None:
+                run_transition(locked, RunState.CANCELLED, finished_at=now)
+            run.refresh_from_db()
+            return Outcome.APPLIED
+    except LostRace:
+        return Outcome.LOST_RACE

@@ -1,0 +1,93 @@
+"""Read-only questions about leases, asked by the use cases, the pull and the sweeps.
+
+Nothing here writes or locks; the use cases re-check whatever they act on
+under their own locks.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from dispatch.core.offer import tokens_equal
+from dispatch.core.policy import free_slots
+from leases import policy
+from leases.models import LeaseState, RunLease
+from runs.models import AttemptState
+from workers.models import WorkerSession
+
+__all__ = [
+    "MAX_DELIVERIES_REASON",
+    "active_lease_count",
+    "cancelled_offer_ids",
+    "leases_over_delivered",
+    "pull_id_conflicts",
+    "session_free_slots",
+    "was_over_delivered_to",
+]
+
+# The end reason of a lease revoked for reaching max_deliveries.
+MAX_DELIVERIES_REASON = "max_deliveries"
+# A heartbeat answer names at most this many cancelled offers (newest work is
+# never more than a Session's slots; this only bounds a pathological row count).
+_CANCEL_LIST_CAP = 256
+
+
+def active_lease_count(session_pk: int) -> int:
+    """Leases that count against the Session's capacity: every active one."""
+    return RunLease.objects.filter(session_id=session_pk, state=LeaseState.ACTIVE).count()
+
+
+def session_free_slots(session: WorkerSession) -> int:
+    """Slots of a pulling Session not taken by started work.
+
+    Claimed-but-not-started leases are not subtracted: the pull re-delivers
+    them (recovery) and they must fit in the response; the claim itself still
+    counts every active lease against the Session's capacity.
+    """
+    started = RunLease.objects.filter(
+        session=session,
+        state=LeaseState.ACTIVE,
+        attempt__state__in=(AttemptState.STARTING, AttemptState.RUNNING),
+    ).count()
+    return free_slots(policy.session_capacity(session), started)
+
+
+def pull_id_conflicts(*, session_pk: int, pull_id: uuid.UUID | str, token_digest: str) -> bool:
+    """docs/adr/0003: did this Session use `pull_id` with another lease token?"""
+    digests = RunLease.objects.filter(session_id=session_pk, pull_id=pull_id).values_list(
+        "token_digest", flat=True
+    )
+    # Constant time per comparison: response timing must not leak a digest.
+    return any(not tokens_equal(token_digest, stored) for stored in digests)
+
+
+def was_over_delivered_to(*, session_pk: int, attempt_pk: int) -> bool:
+    """Was this Attempt revoked from this Session for reaching max_deliveries?"""
+    return RunLease.objects.filter(
+        attempt_id=attempt_pk, session_id=session_pk, end_reason=MAX_DELIVERIES_REASON
+    ).exists()
+
+
+def leases_over_delivered(
+    *, max_deliveries: int, session_pk: int | None = None, limit: int = policy.SWEEP_BATCH
+) -> list[int]:
+    """Claimed-but-never-started leases delivered `max_deliveries` times already."""
+    qs = RunLease.objects.filter(
+        state=LeaseState.ACTIVE,
+        delivery_count__gte=max_deliveries,
+        attempt__state=AttemptState.CLAIMED,
+    )
+    if session_pk is not None:
+        qs = qs.filter(session_id=session_pk)
+    return list(qs.order_by("id").values_list("id", flat=True)[:limit])
+
+
+def cancelled_offer_ids(session: WorkerSession) -> list[str]:
+    """Offer ids of this Session's active leases whose Run was cancelled."""
+    return list(
+        RunLease.objects.filter(
+            session=session, state=LeaseState.ACTIVE, run__cancel_requested=True
+        )
+        .order_by("id")
+        .values_list("offer_id", flat=True)[:_CANCEL_LIST_CAP]
+    )
