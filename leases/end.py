@@ -24,7 +24,7 @@ from django.db import IntegrityError, transaction
 
 from leases import policy
 from leases.errors import LostRace, Outcome
-from leases.locks import lock_active_lease, lock_lease_chain
+from leases.locks import lock_active_attempt, lock_active_lease, lock_lease_chain, lock_run
 from leases.models import LeaseState, RunLease
 from leases.selectors import MAX_DELIVERIES_REASON, leases_over_delivered
 from leases.transitions import (
@@ -35,14 +35,7 @@ from leases.transitions import (
     run_transition,
 )
 from qinglong.clock import db_now
-from runs.models import (
-    ATTEMPT_ACTIVE_STATES,
-    RUN_TERMINAL_STATES,
-    Attempt,
-    AttemptState,
-    Run,
-    RunState,
-)
+from runs.models import RUN_TERMINAL_STATES, Attempt, AttemptState, Run, RunState
 
 __all__ = [
     "EndKind",
@@ -181,7 +174,10 @@ def lease_revoke(
 
 
 def lease_end_for_attempt(attempt: Attempt, *, reason: str, now: datetime) -> None:
-    """Revoke the Attempt's active lease (inside the caller's transaction, Run locked)."""
+    """Revoke the Attempt's active lease.
+
+    Inside the caller's transaction, which holds the Run and Attempt locks.
+    """
     lease = lock_active_lease(attempt)
     if lease is not None:
         lease_transition(lease, LeaseState.REVOKED, reason=reason, now=now)
@@ -224,10 +220,6 @@ def leases_revoke_over_delivered(
 # ---------------------------------------------------------------------- cancel
 
 
-def _active_attempt(run: Run) -> Attempt | None:
-    return run.attempts.filter(state__in=ATTEMPT_ACTIVE_STATES).order_by("-number").first()
-
-
 def run_cancel(*, run: Run, actor: str = "") -> Outcome:
     """Cancel a Run (idempotent).
 
@@ -237,15 +229,16 @@ def run_cancel(*, run: Run, actor: str = "") -> Outcome:
     """
     try:
         with transaction.atomic(durable=True):
-            # Row lock: the Run, its active Attempt and lease change together.
-            locked = Run.objects.select_for_update().select_related("task_revision").get(pk=run.pk)
-            if locked.state in RUN_TERMINAL_STATES:
+            # Run → Attempt → RunLease, each its own row only (leases.locks):
+            # an enqueue of the same Task revision never waits on this cancel.
+            locked = lock_run(run.pk)
+            if locked is None or locked.state in RUN_TERMINAL_STATES:
                 return Outcome.UNCHANGED
             if locked.cancel_requested and locked.state == RunState.RUNNING:
                 return Outcome.UNCHANGED
             now = db_now()
             run_request_cancel(locked)
-            attempt = _active_attempt(locked)
+            attempt = lock_active_attempt(locked.pk)
             if attempt is not None and attempt.state in (
                 AttemptState.PENDING,
                 AttemptState.CLAIMED,

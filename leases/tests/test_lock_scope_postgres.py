@@ -16,10 +16,14 @@ from django.db import connection, transaction
 
 from dispatch.core.ports import ClaimStatus
 from leases import claim as ds
+from leases import end
 from leases.ack import AckPhase, lease_ack
+from leases.end import run_cancel
+from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
 from qinglong import testing
-from runs.models import Run
+from runs.models import Run, RunState
+from runs.services import run_enqueue
 from workers.models import WorkerSession
 from workers.services import session_heartbeat, session_open
 
@@ -106,6 +110,54 @@ def test_holding_one_runs_lock_chain_does_not_block_claims_of_its_siblings():
     release.set()
     hold_thread.join(10)
     assert out["status"] is ClaimStatus.WON
+
+
+def test_a_cancel_holding_its_run_lock_does_not_block_an_enqueue_of_the_same_revision(
+    monkeypatch,
+):
+    task = testing.make_task()
+    run = testing.make_run(task)
+    paused, go = threading.Event(), threading.Event()
+    real_now = end.db_now
+
+    def slow_now():
+        # The cancel holds its locks here, right after taking them.
+        if threading.current_thread().name == "canceller" and not go.is_set():
+            paused.set()
+            go.wait(10)
+        return real_now()
+
+    monkeypatch.setattr(end, "db_now", slow_now)
+    out: dict[str, object] = {}
+
+    def canceller() -> None:
+        try:
+            out["cancel"] = run_cancel(run=run, actor="test")
+        except Exception as err:
+            out["cancel"] = err
+
+    def enqueuer() -> None:
+        try:
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    # "Not blocked" means done well before this: a wait on the
+                    # cancel's locks fails with lock_timeout instead.
+                    cursor.execute("SET LOCAL lock_timeout = '500ms'")
+                out["enqueued"] = run_enqueue(task=task).task_revision_id
+        except Exception as err:
+            out["enqueued"] = err
+
+    cancel_thread = _thread(canceller, "canceller")
+    assert paused.wait(10)
+    enqueue_thread = _thread(enqueuer, "enqueuer")
+    enqueue_thread.join(10)
+    # The enqueue committed while the cancel still held its locks.
+    assert cancel_thread.is_alive()
+    go.set()
+    cancel_thread.join(10)
+    assert out == {"enqueued": run.task_revision_id, "cancel": Outcome.APPLIED}
+    assert Run.objects.get(pk=run.pk).state == RunState.CANCELLED
+    assert Run.objects.filter(task=task, state=RunState.QUEUED).count() == 1
 
 
 def _running_lease():

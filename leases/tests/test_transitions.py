@@ -370,18 +370,18 @@ def test_cancel_lost_race_is_reported():
     # concurrent version bump between the Run lock and the Attempt CAS.
     from leases import end
 
-    original = end._active_attempt
+    original = end.lock_active_attempt
 
-    def stale_read(locked):
-        attempt = original(locked)
+    def stale_read(run_id):
+        attempt = original(run_id)
         Attempt.objects.filter(pk=attempt.pk).update(version=attempt.version + 1)
         return attempt
 
-    end._active_attempt = stale_read
+    end.lock_active_attempt = stale_read
     try:
         assert run_cancel(run=run) is Outcome.LOST_RACE
     finally:
-        end._active_attempt = original
+        end.lock_active_attempt = original
     assert Run.objects.get(pk=run.pk).state == "queued"
     assert not Run.objects.get(pk=run.pk).cancel_requested
 
