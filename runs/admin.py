@@ -19,7 +19,7 @@ from django.http import HttpRequest
 
 from leases.end import run_cancel
 from leases.errors import Outcome
-from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, holds
+from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, TabularInlineBase, holds
 from runs.models import (
     RUN_TERMINAL_STATES,
     Attempt,
@@ -33,7 +33,7 @@ from runs.models import (
 from runs.services import DefinitionError, run_enqueue
 
 
-class ReadOnlyInline(admin.TabularInline):
+class ReadOnlyInline(TabularInlineBase):
     extra = 0
     can_delete = False
     show_change_link = False

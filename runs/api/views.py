@@ -26,6 +26,7 @@ from leases.end import run_cancel
 from leases.errors import Outcome
 from qinglong.api_common import (
     ApiView,
+    BodySerializer,
     FullMatchRegexValidator,
     QueryIntegerField,
     StrictCharField,
@@ -108,7 +109,7 @@ def _object_body(data: Any) -> dict[str, Any]:
     return dict(data)
 
 
-def _query(serializer_class: type[serializers.Serializer], request: Request) -> dict[str, Any]:
+def _query(serializer_class: type[BodySerializer], request: Request) -> dict[str, Any]:
     params = request.query_params
     if any(len(params.getlist(key)) > 1 for key in params):
         raise ValidationError({"query": [ErrorDetail("repeated parameter", code="repeated")]})

@@ -19,6 +19,7 @@ from dispatch.core.result import CycleReason, CycleStatus
 from dispatch.core.spec import MAX_SPEC_BYTES
 from leases.ack import AckPhase
 from qinglong.api_common import (
+    BodySerializer,
     FullMatchRegexValidator,
     StrictBooleanField,
     StrictCharField,
@@ -96,7 +97,7 @@ class SessionOpenRequestSerializer(StrictSerializer):
     agent_version = StrictCharField(max_length=64, required=False, allow_blank=True)
 
 
-class SessionOpenResponseSerializer(serializers.Serializer):
+class SessionOpenResponseSerializer(BodySerializer):
     session_id = serializers.UUIDField()
     generation = serializers.IntegerField()
     session_token = serializers.CharField(help_text="Shown once; send as `Bearer` on every call.")
@@ -113,7 +114,7 @@ class HeartbeatRequestSerializer(StrictSerializer):
     )
 
 
-class HeartbeatResponseSerializer(serializers.Serializer):
+class HeartbeatResponseSerializer(BodySerializer):
     session_state = serializers.ChoiceField(
         choices=[SessionState.ONLINE.value, SessionState.DRAINING.value]
     )
@@ -143,12 +144,12 @@ class PullRequestSerializer(StrictSerializer):
     )
 
 
-class ResourcesSerializer(serializers.Serializer):
+class ResourcesSerializer(BodySerializer):
     cpu_millis = serializers.IntegerField()
     memory_mb = serializers.IntegerField()
 
 
-class ExecutionSpecSerializer(serializers.Serializer):
+class ExecutionSpecSerializer(BodySerializer):
     spec_version = serializers.IntegerField()
     run_id = serializers.CharField()
     attempt_id = serializers.CharField()
@@ -163,7 +164,7 @@ class ExecutionSpecSerializer(serializers.Serializer):
     resources = ResourcesSerializer()
 
 
-class LeaseGrantSerializer(serializers.Serializer):
+class LeaseGrantSerializer(BodySerializer):
     lease_id = serializers.CharField()
     generation = serializers.IntegerField()
     token = serializers.CharField(
@@ -177,7 +178,7 @@ class LeaseGrantSerializer(serializers.Serializer):
     expires_at = serializers.DateTimeField()
 
 
-class OfferSerializer(serializers.Serializer):
+class OfferSerializer(BodySerializer):
     offer_id = serializers.CharField()
     source = serializers.ChoiceField(choices=["new_claim", "lease_recovery"])  # type: ignore[assignment]  # a field named like Field.source
     run_id = serializers.CharField()
@@ -199,7 +200,7 @@ class OfferSerializer(serializers.Serializer):
     placement_score = serializers.IntegerField(allow_null=True)
 
 
-class PullResponseSerializer(serializers.Serializer):
+class PullResponseSerializer(BodySerializer):
     offers = OfferSerializer(many=True)
     status = serializers.ChoiceField(choices=[s.value for s in CycleStatus])
     reason = serializers.ChoiceField(choices=[r.value for r in CycleReason])
@@ -305,7 +306,7 @@ class AckRequestSerializer(StrictSerializer):
         return attrs
 
 
-class AckResponseSerializer(serializers.Serializer):
+class AckResponseSerializer(BodySerializer):
     offer_id = serializers.CharField()
     attempt_state = serializers.ChoiceField(choices=AttemptState.choices)
     run_state = serializers.ChoiceField(choices=RunState.choices)
