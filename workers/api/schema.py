@@ -6,6 +6,8 @@ from typing import Any
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
+from leases.ack import ACK_PHASE_FIELDS
+
 
 class WorkerCredentialScheme(OpenApiAuthenticationExtension):
     target_class = "workers.api.authentication.WorkerCredentialAuthentication"
@@ -43,13 +45,11 @@ def _phase_component(phase: str) -> str:
 def ack_request_per_phase(result: dict[str, Any], generator: Any, **kwargs: Any) -> dict[str, Any]:
     """POSTPROCESSING_HOOK: the ACK body as one `oneOf` branch per phase.
 
-    Built from `ACK_PHASE_FIELDS`, the table `AckRequestSerializer.validate`
+    Built from `leases.ack.ACK_PHASE_FIELDS`, the table `AckRequestSerializer.validate`
     enforces: each branch lists exactly the fields its phase requires and may
     carry, so a client generated from the schema cannot send `exit_code` with
     `running` or forget `executor_handle`.
     """
-    # Imported here: the serializers import the models, this module is loaded early.
-    from workers.api.serializers import ACK_PHASE_FIELDS
 
     schemas = result.get("components", {}).get("schemas", {})
     base = schemas.get("AckRequest")

@@ -17,7 +17,7 @@ from rest_framework.validators import ProhibitSurrogateCharactersValidator
 from dispatch.core.placement import LABEL_KEY_RE, LABEL_VALUE_RE
 from dispatch.core.result import CycleReason, CycleStatus
 from dispatch.core.spec import MAX_SPEC_BYTES
-from leases.ack import AckPhase
+from leases.ack import ACK_PHASE_DEPENDENT_FIELDS, ACK_PHASE_FIELDS, AckPhase
 from qinglong.api_common import (
     BodySerializer,
     FullMatchRegexValidator,
@@ -243,21 +243,10 @@ class OutputTailField(StrictCharField):
         return clean_output_tail(value)
 
 
-_TERMINAL_EXTRAS = frozenset({"error_code", "output_tail"})
-# The ACK's cross-field rules: phase → (fields it requires, fields it may carry)
-# beyond phase, lease_token and spec_sha256. `validate` enforces exactly this
-# table and the OpenAPI schema is built from it (one `oneOf` branch per phase,
-# `workers.api.schema.ack_request_per_phase`), so the two cannot drift.
-ACK_PHASE_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    AckPhase.STARTING: (frozenset(), frozenset()),
-    AckPhase.RUNNING: (frozenset({"executor_handle"}), frozenset()),
-    AckPhase.SUCCEEDED: (frozenset({"exit_code"}), _TERMINAL_EXTRAS),
-    AckPhase.FAILED: (frozenset({"exit_code"}), _TERMINAL_EXTRAS),
-    AckPhase.START_FAILED: (frozenset(), frozenset({"exit_code"}) | _TERMINAL_EXTRAS),
-}
-ACK_PHASE_DEPENDENT_FIELDS = ("executor_handle", "exit_code", "error_code", "output_tail")
-
-
+# The ACK's cross-field rules (phase -> fields it requires, fields it may carry)
+# are the use case's table, `leases.ack.ACK_PHASE_FIELDS`: `validate` enforces
+# it and the OpenAPI schema is built from it (`workers.api.schema.
+# ack_request_per_phase`), so neither can drift from what the lease accepts.
 class AckRequestSerializer(StrictSerializer):
     phase = StrictChoiceField(choices=[p.value for p in AckPhase])
     lease_token = lease_token_field()
