@@ -10,8 +10,25 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from dispatch.core.placement import LABEL_KEY_RE, LABEL_VALUE_RE
-from dispatch.core.spec import ENV_KEY_RE, EXECUTOR_TYPE_RE
+from dispatch.core.placement import (
+    LABEL_KEY_RE,
+    LABEL_VALUE_RE,
+    MAX_LABEL_VALUE_CHARS,
+    MAX_PREFERRED_TERMS,
+    MAX_WEIGHT,
+)
+from dispatch.core.spec import (
+    ENV_KEY_RE,
+    EXECUTOR_TYPE_RE,
+    MAX_ATTEMPTS_LIMIT,
+    MAX_COMMAND_ITEM_CHARS,
+    MAX_COMMAND_ITEMS,
+    MAX_CPU_MILLIS,
+    MAX_CWD_CHARS,
+    MAX_ENV_VALUE_CHARS,
+    MAX_MEMORY_MB,
+    MAX_TIMEOUT_S,
+)
 from leases.models import LeaseSource, LeaseState
 from qinglong.api_common import (
     FullMatchRegexValidator,
@@ -51,8 +68,8 @@ class ProjectPageSerializer(serializers.Serializer):
 
 
 class ResourcesRequestSerializer(serializers.Serializer):
-    cpu_millis = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
-    memory_mb = serializers.IntegerField(min_value=0, max_value=10_000_000, required=False)
+    cpu_millis = serializers.IntegerField(min_value=0, max_value=MAX_CPU_MILLIS, required=False)
+    memory_mb = serializers.IntegerField(min_value=0, max_value=MAX_MEMORY_MB, required=False)
 
 
 _LABELS_HELP = (
@@ -63,13 +80,15 @@ _LABELS_HELP = (
 
 def _label_values() -> serializers.CharField:
     return serializers.CharField(
-        max_length=63, allow_blank=True, validators=[FullMatchRegexValidator(LABEL_VALUE_RE)]
+        max_length=MAX_LABEL_VALUE_CHARS,
+        allow_blank=True,
+        validators=[FullMatchRegexValidator(LABEL_VALUE_RE)],
     )
 
 
 class PreferredTermRequestSerializer(serializers.Serializer):
     labels = serializers.DictField(child=_label_values(), help_text=_LABELS_HELP)
-    weight = serializers.IntegerField(min_value=1, max_value=1000)
+    weight = serializers.IntegerField(min_value=1, max_value=MAX_WEIGHT)
 
 
 class PlacementRequestSerializer(serializers.Serializer):
@@ -79,7 +98,7 @@ class PlacementRequestSerializer(serializers.Serializer):
     )
     # max_length on a many=True serializer is DRF >= 3.15; the stubs lag behind.
     preferred = PreferredTermRequestSerializer(  # type: ignore[call-arg]
-        many=True, required=False, allow_null=True, max_length=16
+        many=True, required=False, allow_null=True, max_length=MAX_PREFERRED_TERMS
     )
 
 
@@ -88,13 +107,13 @@ class _DefinitionFields(serializers.Serializer):
         max_length=32, validators=[FullMatchRegexValidator(EXECUTOR_TYPE_RE)]
     )
     command = serializers.ListField(
-        child=serializers.CharField(max_length=4096, allow_blank=True),
+        child=serializers.CharField(max_length=MAX_COMMAND_ITEM_CHARS, allow_blank=True),
         min_length=1,
-        max_length=256,
+        max_length=MAX_COMMAND_ITEMS,
         help_text="argv; never shown by the runs endpoints.",
     )
     cwd = serializers.CharField(
-        max_length=1024,
+        max_length=MAX_CWD_CHARS,
         required=False,
         allow_null=True,
         help_text="Relative to the Worker's work directory, '/'-separated; an absolute "
@@ -102,14 +121,16 @@ class _DefinitionFields(serializers.Serializer):
         "('./a//b/' is 'a/b'). Never shown by the runs endpoints.",
     )
     env = serializers.DictField(
-        child=serializers.CharField(allow_blank=True, max_length=32768),
+        child=serializers.CharField(allow_blank=True, max_length=MAX_ENV_VALUE_CHARS),
         required=False,
         help_text=f"Variable names match {ENV_KEY_RE}; never shown by the runs endpoints.",
     )
-    timeout_s = serializers.IntegerField(min_value=1, max_value=604800, required=False)
+    timeout_s = serializers.IntegerField(min_value=1, max_value=MAX_TIMEOUT_S, required=False)
     resources = ResourcesRequestSerializer(required=False, allow_null=True)
     placement = PlacementRequestSerializer(required=False, allow_null=True)
-    max_attempts = serializers.IntegerField(min_value=1, max_value=100, required=False)
+    max_attempts = serializers.IntegerField(
+        min_value=1, max_value=MAX_ATTEMPTS_LIMIT, required=False
+    )
 
 
 class TaskCreateRequestSerializer(_DefinitionFields):
