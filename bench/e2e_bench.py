@@ -856,7 +856,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     out(
         f"\nQinglong end to end beside Procrastinate — {meta['date']}, PostgreSQL "
         f"{meta['postgres']}, {meta['cpus']} CPUs, load {meta['load_start']} at start, "
-        f"{meta['load_end']} at end"
+        f"{meta['load_end']} at end; code {meta['code']}"
     )
     e2e_result = results.get("e2e")
     peer = results.get("peer")
@@ -958,6 +958,23 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         )
 
 
+def _code_version() -> str:
+    """The commit measured, and whether the working tree differed from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"{head or 'unknown'}{' + uncommitted changes' if dirty else ''}"
+
+
 def _postgres_version(base: str) -> str:
     import psycopg
 
@@ -1008,6 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "load_start": _load(),
             "postgres": _postgres_version(base),
+            "code": _code_version(),
             "args": {k: str(v) for k, v in vars(args).items() if k != "child"},
         }
     }
