@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from dispatch.core.ports import DispatchScope
 from dispatch.cycles import NullOfferNotifier, OfferNotifier, dispatch_cycle
+from dispatch.notify import RedisOfferNotifier
 
 
 class Command(BaseCommand):
@@ -33,8 +34,6 @@ class Command(BaseCommand):
         notify: str = options["notify"]
         notifier: OfferNotifier = NullOfferNotifier()
         if notify == "redis":
-            from dispatch.notify import RedisOfferNotifier
-
             notifier = RedisOfferNotifier()
         summary = dispatch_cycle(scope=DispatchScope.global_(), notifier=notifier).summary()
         self.stdout.write(render_summary(summary, as_json=bool(options["json"])))

@@ -23,6 +23,7 @@ from django.db import connection
 
 from dispatch.core.ports import DispatchScope
 from dispatch.cycles import NullOfferNotifier, OfferNotifier, dispatch_cycle
+from dispatch.notify import RedisOfferNotifier
 from dispatch.sweeps import run_all_sweeps
 
 logger = logging.getLogger("qinglong.dispatch.loop")
@@ -85,8 +86,6 @@ class Command(BaseCommand):
             raise CommandError("--max-cycles must be >= 0")
         notifier: OfferNotifier = NullOfferNotifier()
         if options["notify"] == "redis":
-            from dispatch.notify import RedisOfferNotifier
-
             notifier = RedisOfferNotifier()
         loop = DispatchLoop(
             interval=options["interval"],
