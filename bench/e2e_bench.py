@@ -43,6 +43,7 @@ import fcntl
 import http.client
 import importlib
 import io
+import itertools
 import json
 import os
 import platform
@@ -418,6 +419,32 @@ def verify(*, runs: int, ids: list[int], agent: dict[str, Any]) -> list[str]:
     return problems
 
 
+def phase_gaps() -> dict[str, dict[str, float]]:
+    """Median and p90 ms between an Attempt's recorded transitions (AttemptEvent)."""
+    from runs.models import AttemptEvent
+
+    steps = ("claimed", "starting", "running", "succeeded")
+    seen: dict[int, dict[str, datetime]] = {}
+    rows = AttemptEvent.objects.filter(to_state__in=steps).values_list(
+        "attempt_id", "to_state", "at"
+    )
+    for attempt_id, state, at in rows:
+        seen.setdefault(attempt_id, {})[state] = at
+    gaps: dict[str, dict[str, float]] = {}
+    for before, after in itertools.pairwise(steps):
+        ms = sorted(
+            (times[after] - times[before]).total_seconds() * 1000
+            for times in seen.values()
+            if before in times and after in times
+        )
+        if ms:
+            gaps[f"{before}->{after}"] = {
+                "median_ms": statistics.median(ms),
+                "p90_ms": ms[int(len(ms) * 0.9)],
+            }
+    return gaps
+
+
 def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> dict[str, Any]:
     from django.db import connection
     from django.db.models import Count
@@ -561,6 +588,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         "dispatch_cycles": cycles,
         "agent_events": agent["events"],
         "agent_outcomes": agent["outcomes"],
+        "phase_gaps": phase_gaps(),
         "problems": problems,
     }
 
@@ -901,6 +929,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             else "PROBLEMS: " + "; ".join(e2e_result["problems"])
         )
         out(f"           verified: {verdict}")
+        gaps = ", ".join(
+            f"{step} {g['median_ms']:.0f} ms (p90 {g['p90_ms']:.0f})"
+            for step, g in e2e_result["phase_gaps"].items()
+        )
+        out(f"           per Run, median between recorded transitions: {gaps}")
         out(
             f"           DB commits per Run (all processes): "
             f"{e2e_result['db_commits_per_run']:.1f}; leases by source "
