@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 
 from dispatch.core.offer import tokens_equal
-from dispatch.core.policy import free_slots
+from dispatch.core.policy import MAX_DELIVERIES_REASON, free_slots
 from leases import policy
 from leases.models import LeaseState, RunLease
 from runs.models import AttemptState
@@ -25,8 +25,6 @@ __all__ = [
     "was_over_delivered_to",
 ]
 
-# The end reason of a lease revoked for reaching max_deliveries.
-MAX_DELIVERIES_REASON = "max_deliveries"
 # A heartbeat answer names at most this many cancelled offers (newest work is
 # never more than a Session's slots; this only bounds a pathological row count).
 _CANCEL_LIST_CAP = 256

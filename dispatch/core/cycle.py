@@ -36,6 +36,7 @@ from dispatch.core.offer import (
 )
 from dispatch.core.paging import PageReader, PortContractError
 from dispatch.core.placement import Placement, normalize_placement, placement_score
+from dispatch.core.policy import lease_is_live, spec_matches_lease
 from dispatch.core.ports import (
     NEW_CLAIM,
     PULL_CLAIM,
@@ -202,7 +203,7 @@ class _Cycle:
             )
 
         def check(lease: RecoverableLease) -> None:
-            if lease.expires_at <= observed_at:
+            if not lease_is_live(lease.expires_at, observed_at):
                 raise PortContractError(CycleReason.RECOVERY_EXPIRED_LEASE)
             if scope.session is not None and lease.session != scope.session:
                 raise PortContractError(CycleReason.RECOVERY_SCOPE_MISMATCH)
@@ -227,7 +228,7 @@ class _Cycle:
         except SpecError:
             raise PortContractError(CycleReason.RECOVERY_SPEC_DRIFT) from None
         # docs/adr/0002: only the pinned revision, byte for byte, is re-delivered.
-        if not tokens_equal(digest, lease.spec_sha256):
+        if not spec_matches_lease(digest, lease.spec_sha256):
             raise PortContractError(CycleReason.RECOVERY_SPEC_DRIFT)
         offer_id = _offer_id(candidate, lease.lease_generation, lease.session)
         return _build_offer(

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 
+from dispatch.core import policy
 from dispatch.core.budget import HARD_CAPS
 from dispatch.core.errors import SpecError
+from dispatch.core.policy import MAX_DELIVERIES_REASON
 from dispatch.core.ports import (
     Candidate,
     CandidateSource,
@@ -85,9 +87,6 @@ class FakeClock:
 
 # ---------------------------------------------------------------- store rows
 
-# The lease end reason of a revoke after max_deliveries pulls without a
-# `starting` ACK; the claim never hands that Attempt to that Session again.
-MAX_DELIVERIES_REASON: Final = "max_deliveries"
 # Runs that hold a place in their Project's `max_concurrent_runs` quota.
 _QUOTA_RUN_STATES: Final = frozenset({"dispatching", "running"})
 
@@ -352,7 +351,7 @@ class FakeStore:
             and lease.session_id == session.session_id
             and lease.session_generation == session.generation
         )
-        return max(0, min(session.slots, worker.slots) - busy)
+        return policy.free_slots(policy.capacity(session.slots, worker.slots), busy)
 
     def is_current_session(self, ref: SessionRef, states: Collection[str]) -> bool:
         worker = self.workers.get(ref.worker_id)
@@ -378,7 +377,7 @@ class FakeStore:
         expired = [
             lease
             for lease in self.leases.values()
-            if lease.state == "active" and lease.expires_at <= now
+            if lease.state == "active" and not policy.lease_is_live(lease.expires_at, now)
         ]
         for lease in expired:
             self._end_lease(lease, "expired", reason="lease_expired")
@@ -583,7 +582,7 @@ class FakeLeaseRecoverySource(_PagedSource):
         )
 
     def _is_live(self, lease: FakeLease, observed_at: datetime) -> bool:
-        return lease.expires_at > observed_at
+        return policy.lease_is_live(lease.expires_at, observed_at)
 
     def _in_scope(self, scope: DispatchScope, ref: SessionRef) -> bool:
         return scope.session is None or scope.session == ref

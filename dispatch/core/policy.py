@@ -10,15 +10,22 @@ has expired, how many claims a Session may hold, or which spec a lease granted
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Final
 
 from dispatch.core.offer import tokens_equal
 
 __all__ = [
+    "MAX_DELIVERIES_REASON",
     "capacity",
     "free_slots",
     "lease_is_live",
     "spec_matches_lease",
 ]
+
+
+# The end reason of a lease revoked after max_deliveries pulls without a
+# `starting` ACK; a claim never hands that Attempt to that Session again.
+MAX_DELIVERIES_REASON: Final = "max_deliveries"
 
 
 def lease_is_live(expires_at: datetime, now: datetime) -> bool:
