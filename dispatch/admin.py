@@ -13,7 +13,7 @@ needs `dispatch.pause_dispatch` — `change_dispatchcontrol` alone flips nothing
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from django.contrib import admin, messages
 from django.core.paginator import Paginator
@@ -35,7 +35,14 @@ def _actor(request: HttpRequest) -> str:
     return f"admin:{getattr(request.user, 'username', '')}"
 
 
-class CappedPaginator(Paginator):
+if TYPE_CHECKING:
+    # Generic in django-stubs only: Django's Paginator is not subscriptable.
+    _PaginatorBase = Paginator[Any]
+else:
+    _PaginatorBase = Paginator
+
+
+class CappedPaginator(_PaginatorBase):
     """Counts at most COUNT_CAP rows: a COUNT(*) over a big table is not free."""
 
     @cached_property
@@ -157,7 +164,7 @@ class DispatchCycleAdmin(ViewOnlyAdmin):
         return super().changelist_view(request, extra_context)
 
 
-def _warn_if_paused(model_admin: admin.ModelAdmin, request: HttpRequest) -> None:
+def _warn_if_paused(model_admin: admin.ModelAdmin[Any], request: HttpRequest) -> None:
     if dispatch_paused():
         control = DispatchControl.objects.filter(pk=1).first()
         reason = f" ({control.reason})" if control and control.reason else ""

@@ -72,7 +72,9 @@ class SweepCounts:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _expired_page(now: datetime, after: tuple[datetime, int] | None, limit: int) -> list[tuple]:
+def _expired_page(
+    now: datetime, after: tuple[datetime, int] | None, limit: int
+) -> list[tuple[datetime, int]]:
     # Keyset over (expires_at, id) on the partial index runlease_active_expiry:
     # rows a service left active (lost race, renewed meanwhile) are stepped
     # over instead of being re-read by every page.
