@@ -16,7 +16,7 @@ migrates it, seeds 64 Worker Sessions and a backlog with bulk_create, and prints
 (c) claims per second from 1 and 2 processes through `dispatch_cycle`, beside a
     bare psycopg loop doing the single-row CAS claim on the same database.
 
-Goals (ADR §1: "throughput from more, shorter cycles, never bigger ones"):
+Goals (docs/adr/0001: "throughput from more, shorter cycles, never bigger ones"):
 identical query counts, time ratio ≤ 1.25, memory ratio ≤ 1.1.
 """
 

@@ -1,4 +1,4 @@
-"""Leases, dispatch cycles and the kill switch in the operator's console (DESIGN §5).
+"""Leases, dispatch cycles and the kill switch in the operator's console (README, admin).
 
 Leases are redacted: the token digest appears as an 8-character prefix, the
 spec never (it is not stored; only its digest is, shown as a prefix too).

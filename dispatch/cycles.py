@@ -2,11 +2,11 @@
 
 `dispatch_cycle` is what the Worker pull endpoint (session scope), the Celery
 beat task and `manage.py dispatch_once` / `run_dispatcher` (global scope) call.
-It wraps the pure `dispatch_once` (DESIGN §3) with what only Django can do:
+It wraps the pure `dispatch_once` (docs/adr/0001) with what only Django can do:
 the operator kill switch, max-delivery revocation, delivery telemetry on the
 leases, the content-free notification of Sessions, and the redacted
 `DispatchCycle` record. Only `DispatchCycleResult.summary()` is ever logged or
-stored — never an offer, a spec or a token (DESIGN §1).
+stored — never an offer, a spec or a token (docs/adr/0003).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ _CONTROL_PK = 1
 class OfferNotifier(Protocol):
     """Tells each target Session that it has an offer; never carries content.
 
-    DESIGN §3 "Where offers go": in global scope nothing pushes a spec or token
+    docs/adr/0003: in global scope nothing pushes a spec or token
     anywhere. An implementation may send only ids (session id, offer id); the
     Worker then pulls, and session-scope recovery re-materializes the offer.
     """
@@ -145,7 +145,7 @@ def dispatch_cycle(
     session_pk: int | None = None,
     notifier: OfferNotifier | None = None,
 ) -> DispatchCycleResult:
-    """Run and record one bounded dispatch cycle (DESIGN §3).
+    """Run and record one bounded dispatch cycle (docs/adr/0001).
 
     Session scope (a Worker's pull) needs `pull`; its offers are the pull
     response. Global scope hands its offers, content-free, to `notifier`.
@@ -172,7 +172,7 @@ def dispatch_cycle(
     if result.offers:
         # Telemetry (never authority), on the database clock: a pull counts
         # toward max_deliveries; a global announcement only restarts the
-        # redelivery backoff (DESIGN §3, §4).
+        # redelivery backoff (docs/adr/0002).
         leases_record_delivery(
             (offer.lease.lease_id for offer in result.offers),
             now=db_now(),
@@ -189,7 +189,7 @@ def _notify(notifier: OfferNotifier, offers: Sequence[ClaimedExecutionOffer]) ->
         notifier.notify(offers)
     except Exception:
         # The leases are committed and recovery re-delivers them once the
-        # backoff passes (ADR §5), so a failed nudge costs latency, not work.
+        # backoff passes (docs/adr/0002), so a failed nudge costs latency, not work.
         logger.exception(
             "offer notification failed",
             extra={"event": "offer_notify_failed", "offers": len(offers)},

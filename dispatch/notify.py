@@ -1,4 +1,4 @@
-"""Content-free offer notification over Redis pub/sub (DESIGN §3 "Where offers go").
+"""Content-free offer notification over Redis pub/sub (docs/adr/0003).
 
 The cluster's global cycle tells a Session "you have offer X" on
 `ql:offers:<session_id>`; a long-polling pull wakes up and the Worker fetches

@@ -1,4 +1,4 @@
-"""Bounded, single-shot sweeps (DESIGN §5), in plain Python.
+"""Bounded, single-shot sweeps (docs/architecture.md "Worker API and operations"), in plain Python.
 
 Celery beat tasks, `manage.py run_dispatcher` and the tests all call these
 functions, so there is one implementation of each sweep. Every sweep reads a

@@ -1,4 +1,4 @@
-"""Celery tasks of the cluster deployment (DESIGN §5): one bounded step each.
+"""Celery tasks of the cluster deployment (README "Running it"): one bounded step each.
 
 Tasks take no arguments and return only redacted summaries: the cycle's
 `summary()` or a dict of counts. They never see an offer's spec or token — the

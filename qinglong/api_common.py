@@ -8,7 +8,7 @@
 - `ApiView`: refuses a body without Content-Length (411) and checks
   Content-Length against the cap before anything else; every response is
   `Cache-Control: no-store`.
-- `StrictSerializer` and strict fields: unknown fields are a 400 (DESIGN §4,
+- `StrictSerializer` and strict fields: unknown fields are a 400 (README "Worker API",
   "never silently applied"), and values are never coerced ("5" is not 5).
 - `FullMatchRegexValidator` and `QueryIntegerField`: a pattern must match the
   whole value (`$` alone also matches before a trailing newline) and a number
@@ -214,7 +214,7 @@ class StrictBooleanField(serializers.BooleanField):
 
 
 class StrictUUIDField(serializers.UUIDField):
-    """A UUID in its string form (DESIGN §4: ids are strings)."""
+    """A UUID in its string form (README "Worker API": ids are strings)."""
 
     def to_internal_value(self, data: Any) -> Any:
         if not isinstance(data, str):

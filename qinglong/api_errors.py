@@ -1,6 +1,6 @@
 """One error envelope for every API failure: ``{"error": {"code", "message"}}``.
 
-DESIGN §4: codes are low-cardinality and messages never echo secrets or
+README "Worker API": codes are low-cardinality and messages never echo secrets or
 request values. DRF's own messages sometimes quote the input (``'"x" is not a
 valid choice'``), so a message here is built only from our own fixed text and
 from field names we declared — never from an exception's text.
@@ -181,7 +181,7 @@ _AUTH_MESSAGES: Mapping[str, str] = {
 def _exception_envelope(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
     """(status, code, message, extra headers) for an exception we recognise."""
     if isinstance(exc, OperationalError | InterfaceError):
-        # Never a 500 or a hang: the client retries (DESIGN §4 "errors").
+        # Never a 500 or a hang: the client retries (README "Worker API").
         logger.warning("database unavailable", extra={"event": "database_unavailable"})
         return (
             status.HTTP_503_SERVICE_UNAVAILABLE,

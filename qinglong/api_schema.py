@@ -89,7 +89,7 @@ def close_request_bodies(result: dict[str, Any], generator: Any, **kwargs: Any) 
 
 PROTOCOL = """
 
-## Worker protocol (DESIGN §4)
+## Worker protocol
 
 1. An operator runs `manage.py enroll_worker NAME --slots N --executor TYPE` and gives the
    Worker its credential (printed once).

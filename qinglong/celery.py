@@ -1,4 +1,4 @@
-"""The Celery app of the cluster deployment (DESIGN §1, §5).
+"""The Celery app of the cluster deployment (README "Running it").
 
 Beat triggers one bounded global `dispatch_cycle` every second plus the
 sweepers; every task is single-shot and takes no arguments. Overlapping runs

@@ -2,7 +2,7 @@
 
 `manage.py check` runs them, and so does every `manage.py` command, the web
 server and the Celery worker (they call `django.setup()` + checks): a dispatch
-budget over a hard cap (DESIGN §3, ADR §1) is an Error, never a warning.
+budget over a hard cap (docs/adr/0001) is an Error, never a warning.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Many web nodes and dispatchers compare `expires_at` against "now"; taking now
 from the one database keeps them consistent whatever their own clocks say
-(DESIGN §3 step 1). SQLite is a single node, so the process clock is the clock.
+(docs/adr/0001 step 1). SQLite is a single node, so the process clock is the clock.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The database is the authority for every lease, so it alone decides the status
 code. The broker is informational: the embedded default dispatches with
-`run_dispatcher` and no broker at all (DESIGN §1), so a missing Redis must not
+`run_dispatcher` and no broker at all (docs/adr/0003), so a missing Redis must not
 take a healthy control plane out of a load balancer.
 """
 

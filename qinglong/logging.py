@@ -1,6 +1,6 @@
 """Structured JSON logs with one redaction filter every record passes through.
 
-DESIGN §1: nothing secret (command, env, cwd, lease/session tokens, Worker
+docs/adr/0003: nothing secret (command, env, cwd, lease/session tokens, Worker
 credentials) may reach a log. The services already log only ids and counts;
 this filter is the second line of defence for whatever slips through — an
 exception message, a third-party logger, an `extra` someone adds later. It is

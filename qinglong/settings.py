@@ -197,14 +197,14 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 256 * 1024,
 # Load balancers probe /healthz over plain HTTP inside the cluster.
 SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
 
-# --- dispatch (DESIGN §3); validated by the qinglong.checks system check -----
+# --- dispatch (docs/adr/0001); validated by the qinglong.checks system check -----
 # The defaults live in one place, the core's DispatchBudget (plain Python).
 _DISPATCH_DEFAULTS: dict[str, int] = asdict(DispatchBudget())
 QINGLONG_DISPATCH: dict[str, int] = {
     key: env_int(f"QL_DISPATCH_{key.upper()}", default)
     for key, default in _DISPATCH_DEFAULTS.items()
 }
-# HMAC key for lease tokens of global claims (DESIGN §3 "Offer"). Derived from
+# HMAC key for lease tokens of global claims (docs/adr/0002). Derived from
 # SECRET_KEY unless set, so recovery after a restart re-derives the same token.
 QINGLONG_LEASE_SECRET = env_str(
     "QL_LEASE_SECRET",
@@ -251,7 +251,7 @@ REST_FRAMEWORK: dict[str, Any] = {
     "DEFAULT_RENDERER_CLASSES": ["qinglong.api_renderers.WireJSONRenderer"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
-    # One error envelope for every API failure (DESIGN §4).
+    # One error envelope for every API failure (README "Worker API").
     "EXCEPTION_HANDLER": "qinglong.api_errors.api_exception_handler",
     # Worker pull, heartbeat / session open, keyed by Session / Worker
     # (workers.api.throttles).

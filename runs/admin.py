@@ -1,4 +1,4 @@
-"""The operator's console for Projects, Tasks, Runs and Attempts (DESIGN §5).
+"""The operator's console for Projects, Tasks, Runs and Attempts (README "Admin permissions").
 
 A console, not a backdoor: state fields are read-only, Attempts and their
 history cannot be added or deleted, and every action calls a service and

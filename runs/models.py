@@ -1,8 +1,9 @@
-"""Projects, Tasks and their immutable revisions, Runs and Attempts (DESIGN §2).
+"""Projects, Tasks and their immutable revisions, Runs and Attempts (docs/architecture.md).
 
-Models hold data and database-level invariants only. Every state change lives in
-one service function in `runs.services` (a compare-and-set on `version`), never
-in `save()` or signals.
+Models hold data and database-level invariants only. `runs.services` creates
+them; every later state change of a Run or an Attempt is one function of the
+lease authority (`leases.transitions`, a compare-and-set on `version`, see
+docs/adr/0004), never `save()` or a signal.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class TaskRevision(models.Model):
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         # Immutability guard, not a transition: a Run pinned to this revision
-        # must re-materialize the exact spec it was claimed with (ADR §5).
+        # must re-materialize the exact spec it was claimed with (docs/adr/0002).
         if not self._state.adding:
             raise ImmutableRevision("TaskRevision rows are immutable; edit the Task instead.")
         super().save(*args, **kwargs)
@@ -211,7 +212,7 @@ class Attempt(models.Model):
             models.CheckConstraint(condition=Q(number__gte=1), name="attempt_number_gte_1"),
         ]
         indexes = [
-            # The candidate keyset order (DESIGN §3 step 2) over pending rows only.
+            # The candidate keyset order (docs/adr/0001 step 2) over pending rows only.
             models.Index(
                 models.F("priority").desc(),
                 "queued_at",

@@ -1,4 +1,4 @@
-"""The Worker Registry in the operator's console (DESIGN §5).
+"""The Worker Registry in the operator's console (docs/architecture.md "Worker API and operations").
 
 Drain, disable, activate and credential rotation are actions over the worker
 services. The credential digest is never shown — only the prefix an operator

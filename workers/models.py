@@ -1,4 +1,4 @@
-"""The Worker Registry and Worker Sessions (DESIGN §2).
+"""The Worker Registry and Worker Sessions (docs/architecture.md "Data model").
 
 Secrets are stored only as SHA-256 digests: the Worker credential (issued once
 by an operator) and each Session token (shown once, when the Session opens).

@@ -1,8 +1,8 @@
-"""Django ORM implementations of the `dispatch.core` ports (DESIGN §6 "adapters").
+"""Django ORM implementations of the `dispatch.core` ports (docs/architecture.md, ports).
 
 Every source reads one bounded keyset page per call: `limit + 1` rows (the extra
 row only says whether a next page exists), joined in the same query so the
-number of queries per page is constant whatever the backlog (ADR §1: no
+number of queries per page is constant whatever the backlog (docs/adr/0001: no
 unbounded reads on an edge device). Cursors are opaque strings to the core; a
 malformed one is a programming error and raises `ValueError`.
 
@@ -66,7 +66,7 @@ def _id_cursor(cursor: str | None) -> int | None:
 
 
 def _check_limit(limit: int) -> None:
-    # The core never asks for more than a hard-capped page (ADR §1); a caller
+    # The core never asks for more than a hard-capped page (docs/adr/0001); a caller
     # that does is a bug, and silently reading a huge page is what we prevent.
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_LIMIT:
         raise ValueError(f"limit must be an integer from 1 to {_MAX_LIMIT}")
@@ -85,7 +85,7 @@ def _session_uuid(scope: DispatchScope) -> uuid.UUID | None:
 
 
 class OrmLeaseRecoverySource:
-    """Active leases still eligible for re-delivery (ADR §2 step 1, §5)."""
+    """Active leases still eligible for re-delivery (docs/adr/0001 step 1, docs/adr/0002)."""
 
     def recover_page(
         self,
@@ -106,7 +106,7 @@ class OrmLeaseRecoverySource:
             # Session's lease is never delivered again.
             policy.lease_session_current_q(),
             state=LeaseState.ACTIVE,
-            # ADR §5: recovery only covers the window before the starting ACK,
+            # docs/adr/0002: recovery only covers the window before the starting ACK,
             # and only for the lease generation the Attempt still carries.
             attempt__state=AttemptState.CLAIMED,
             attempt__lease_generation=F("lease_generation"),
@@ -120,7 +120,7 @@ class OrmLeaseRecoverySource:
                 return Page((), None)
             qs = qs.filter(session__session_id=session_uuid)
         if due_before is not None:
-            # DESIGN §3: global scope re-delivers only after the backoff passed.
+            # docs/adr/0001: global scope re-delivers only after the backoff passed.
             qs = qs.filter(Q(last_delivered_at__isnull=True) | Q(last_delivered_at__lte=due_before))
         if after is not None:
             qs = qs.filter(pk__gt=after)
@@ -214,7 +214,7 @@ def decode_candidate_cursor(cursor: str) -> tuple[int, datetime, int]:
 
 
 class OrmCandidateSource:
-    """Pending Attempts of queued Runs in keyset order (ADR §2 step 2)."""
+    """Pending Attempts of queued Runs in keyset order (docs/adr/0001 step 2)."""
 
     def candidate_page(self, *, cursor: str | None, limit: int) -> Page[Candidate]:
         _check_limit(limit)
@@ -293,7 +293,7 @@ def _active_lease_count() -> Subquery:
 
 
 class OrmWorkerSnapshotSource:
-    """Current ONLINE Sessions of ACTIVE Workers by worker id (ADR §2 step 3)."""
+    """Current ONLINE Sessions of ACTIVE Workers by worker id (docs/adr/0001 step 3)."""
 
     def worker_page(
         self, *, scope: DispatchScope, cursor: str | None, limit: int
@@ -308,7 +308,7 @@ class OrmWorkerSnapshotSource:
             if session_uuid is None or not scope.session.worker_id.isdigit():
                 return Page((), None)
             # Exactly the authenticated Session, and only while it is still the
-            # generation the request authenticated as (ADR §2 step 8).
+            # generation the request authenticated as (docs/adr/0001 step 8).
             qs = qs.filter(
                 session_id=session_uuid,
                 worker_id=int(scope.session.worker_id),
@@ -353,10 +353,10 @@ def _worker_record(session: WorkerSession) -> WorkerRecord:
 
 
 class OrmPlanSource:
-    """Re-materializes a plan from the Run's pinned revision (ADR §2 step 4, §5).
+    """Re-materializes a plan from the Run's pinned revision (docs/adr/0001 step 4, §5).
 
     One query per plan, and only for the candidate the cycle is about to claim
-    (the core calls `prepare` lazily, ADR 代价与风险: plans stay bounded).
+    (the core calls `prepare` lazily, docs/adr/0001, Consequences: plans stay bounded).
     """
 
     def prepare(self, candidate: Candidate) -> DispatchPlan:
@@ -380,7 +380,7 @@ class OrmPlanSource:
             placement = validate_placement(revision.placement)
         except SpecError:
             # A stored revision the shared validator now refuses cannot be
-            # materialized: fail closed for this candidate (ADR §5).
+            # materialized: fail closed for this candidate (docs/adr/0002).
             raise PlanUnavailable("the pinned revision is not valid") from None
         return DispatchPlan(
             run_id=str(run.pk),

@@ -5,7 +5,7 @@ DATABASE_URL naming the parent's test database. Roles:
 
 - `global`: loops global-scope `dispatch_cycle` (Celery beat on many nodes);
 - `puller`: acts as the Workers of the given Sessions: pulls (session scope,
-  ADR-0108 PullCredential), then ACKs `starting` and `succeeded` for every offer,
+  docs/adr/0003 PullCredential), then ACKs `starting` and `succeeded` for every offer,
   so slots free up while the global dispatchers keep claiming.
 
 Prints one JSON line of counts on stdout when the deadline passes or no work is

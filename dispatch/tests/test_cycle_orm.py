@@ -175,7 +175,7 @@ def test_global_announcements_do_not_count_as_deliveries() -> None:
         for _ in range(4):
             dispatch_cycle(scope=GLOBAL)
     lease = RunLease.objects.get()
-    # Only a Worker's pull counts toward max_deliveries (DESIGN §4); the
+    # Only a Worker's pull counts toward max_deliveries (README "Worker API"); the
     # global cycle's content-free nudges only restart the backoff.
     assert (lease.state, lease.delivery_count) == (LeaseState.ACTIVE, 0)
     assert lease.last_delivered_at is not None

@@ -1,4 +1,4 @@
-"""Long-poll pulls woken by the global cycle's Redis announcement (DESIGN §3).
+"""Long-poll pulls woken by the global cycle's Redis announcement (docs/adr/0001).
 
 Real Redis on loopback (db 15) and real threads on PostgreSQL: a Worker's pull
 waits on its Session's channel; a global cycle claims for that Session and

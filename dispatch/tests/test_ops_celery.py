@@ -1,4 +1,4 @@
-"""Celery beat + worker as REAL processes against the loopback Redis (DESIGN §5).
+"""Celery beat + worker as REAL processes against the loopback Redis (README "Running it").
 
 First one worker with embedded beat dispatches an enqueued Run to an open
 Session and records DispatchCycle rows. Then two worker+beat processes run at

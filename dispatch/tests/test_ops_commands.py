@@ -1,4 +1,4 @@
-"""`dispatch_once`, `run_dispatcher` and `audit_leases` (DESIGN §5)."""
+"""`dispatch_once`, `run_dispatcher` and `audit_leases` (README "Running it")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Canary specs never leave through the operations surface (DESIGN §1).
+"""Canary specs never leave through the operations surface (docs/adr/0003).
 
 Celery task results and the messages beat sends, DispatchCycle rows, logs at
 DEBUG, and the output of dispatch_once / audit_leases / run_dispatcher.

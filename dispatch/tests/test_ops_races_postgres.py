@@ -3,7 +3,7 @@
 A lease expiring while its ACK commits: the two writers serialize on the row
 locks (Run → Attempt → RunLease), each re-checks under the lock, and exactly one
 of them wins. No completion is ever overwritten, and a late ACK never
-resurrects an expired lease (DESIGN §4 protocol rules).
+resurrects an expired lease (README "Worker API").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The bounded sweeps (DESIGN §5): what each ends, what it never touches."""
+"""The bounded sweeps (dispatch/sweeps.py): what each ends, what it never touches."""
 
 from __future__ import annotations
 

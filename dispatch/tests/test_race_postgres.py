@@ -1,10 +1,10 @@
-"""Many dispatcher processes racing on one PostgreSQL database (DESIGN §1 "cluster").
+"""Many dispatcher processes racing on one PostgreSQL database (README "Running it").
 
 Four OS processes run global-scope `dispatch_cycle` in a loop while two more
 act as the Workers of 20 small Sessions: they pull (session scope, with a
 PullCredential, claiming for themselves too) and ACK `starting` + `succeeded`,
 so slots free up and the global dispatchers keep claiming. Afterwards the
-lease authority must be intact (ADR §4, DESIGN §3 "Claim").
+lease authority must be intact (docs/adr/0002).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each thread has its own Django connection (connections are thread-local) and
 closes it when done. STYLE: "every path that claims or mutates a lease has a
-lost-race test (the `updated != 1` branch)"; DESIGN §3 "Claim": locks + CAS make
+lost-race test (the `updated != 1` branch)"; docs/adr/0002: locks + CAS make
 many dispatchers and web nodes safe — these tests make them actually collide.
 """
 

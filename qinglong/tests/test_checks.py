@@ -1,4 +1,4 @@
-"""A dispatch budget over a hard cap refuses to start (DESIGN §3, ADR §1).
+"""A dispatch budget over a hard cap refuses to start (docs/adr/0001).
 
 `manage.py check` (and so every command, the web server and the Celery worker)
 must fail with an Error naming the offending key; the defaults must pass.

@@ -1,4 +1,4 @@
-"""The JSON formatter and the one redaction filter (DESIGN §1: no secret in a log)."""
+"""The JSON formatter and the one redaction filter (docs/adr/0003: no secret in a log)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Operator API bodies (DESIGN §4 "Operator API").
+"""Operator API bodies (docs/architecture.md "Worker API and operations").
 
 Task definitions are validated only by `runs.services` (the one shared
 validator); `TaskDefinitionRequestSerializer` documents their shape for

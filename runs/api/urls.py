@@ -1,4 +1,4 @@
-"""Operator API routes, mounted at /api/v1/ (DESIGN §4 "Operator API")."""
+"""Operator API routes, mounted at /api/v1/ (docs/architecture.md "Worker API and operations")."""
 
 from __future__ import annotations
 

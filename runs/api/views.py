@@ -1,4 +1,4 @@
-"""Operator API views (DESIGN §4): Projects, Tasks, Runs; thin over runs.services.
+"""Operator API views: Projects, Tasks, Runs; thin over runs.services and leases.end.
 
 Auth: DRF Token (automation) or the admin's session; staff AND the model
 permissions each method declares (`runs.api.permissions`): a staff user without

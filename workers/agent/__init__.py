@@ -1,4 +1,4 @@
-"""The reference Worker agent (DESIGN §4): stdlib only, no Django imports.
+"""The reference Worker agent (README "Worker API"): stdlib only, no Django imports.
 
 `python -m workers.agent --url URL --credential-file PATH` opens a Session,
 heartbeats, pulls offers and runs them as local processes under the Worker

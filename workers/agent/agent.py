@@ -24,7 +24,7 @@ from workers.agent.protocol import (
 
 __all__ = ["Agent", "SessionLost", "log"]
 
-# The pull endpoint accepts 1..16 offers per request (DESIGN §4 wire format).
+# The pull endpoint accepts 1..16 offers per request (README "Worker API").
 MAX_OFFERS_PER_PULL = 16
 
 
@@ -147,7 +147,7 @@ class Agent:
             response = self._session_call(path, body)
         except TransportError:
             # The response may be lost after the claim committed: replaying the
-            # same pull_id + token rebuilds the same answer (ADR-0108).
+            # same pull_id + token rebuilds the same answer (docs/adr/0003).
             response = self._session_call(path, body)
         if response.status != 200:
             log("pull_refused", status=response.status, code=response.error_code)

@@ -33,7 +33,7 @@ __all__ = [
     "verify_offer",
 ]
 
-# The output tail limit, defined on what is sent (DESIGN §4 "≤ 64 KiB"): the
+# The output tail limit, defined on what is sent (README "Worker API"): the
 # tail's JSON string escaping with UTF-8 left as is (json.dumps(tail,
 # ensure_ascii=False) without its quotes), in UTF-8 bytes. A quote, backslash
 # or control character counts as its escape (2 or 6 bytes), so a tail within
@@ -122,7 +122,7 @@ class Spawner(Protocol):
 
 
 def canonical_json(spec: Mapping[str, Any]) -> bytes:
-    """DESIGN §4: sorted keys, no insignificant whitespace, UTF-8."""
+    """README "Worker API": sorted keys, no insignificant whitespace, UTF-8."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
         "utf-8"
     )
@@ -165,7 +165,7 @@ def _body_refused(status: int) -> bool:
 
 
 class AckRejected(Exception):
-    """The control plane refused an ACK: stop the Attempt (DESIGN §4)."""
+    """The control plane refused an ACK: stop the Attempt (README "Worker API")."""
 
     def __init__(self, phase: str, response: Response) -> None:
         super().__init__(f"{phase} ACK refused: {response.status} {response.error_code}")

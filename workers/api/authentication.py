@@ -2,7 +2,7 @@
 
 Both are `Authorization: Bearer …` secrets, deliberately distinct from the
 operator's `Token …` scheme: a Worker credential can never call an operator
-endpoint and an operator token can never call a Worker endpoint (DESIGN §4).
+endpoint and an operator token can never call a Worker endpoint (README "Worker API").
 Only SHA-256 digests are stored; lookups go through `workers.services`.
 """
 

@@ -88,7 +88,7 @@ def worker_pull(
     max_offers: int,
     wait_s: int = 0,
 ) -> PullResult:
-    """One session-scope cycle; with `wait_s`, a long poll (cluster, DESIGN §3).
+    """One session-scope cycle; with `wait_s`, a long poll (cluster, docs/adr/0001).
 
     A long poll subscribes to the Session's channels before its first cycle
     (so no announcement falls between the two), and when that cycle finds

@@ -1,4 +1,4 @@
-"""Request and response bodies of the Worker API (DESIGN §4 wire format).
+"""Request and response bodies of the Worker API (README "Worker API").
 
 Request serializers only check shape and types (strictly: unknown fields are a
 400); the rules live in the services and `dispatch.core`, so there is never a
@@ -37,7 +37,7 @@ from workers.agent.protocol import (
 from workers.models import SessionState
 from workers.services import MAX_EXECUTOR_TYPES, MAX_SLOTS
 
-# ADR-0108: a fresh high-entropy token chosen by the Worker, base64url
+# docs/adr/0003: a fresh high-entropy token chosen by the Worker, base64url
 # (32 random bytes encode to 43 characters). `^…$` is for the OpenAPI schema
 # (ECMA-262); values are checked with fullmatch (FullMatchRegexValidator), so
 # a trailing newline is refused.

@@ -1,4 +1,4 @@
-"""Worker API routes, mounted at /api/v1/worker/ (DESIGN §4)."""
+"""Worker API routes, mounted at /api/v1/worker/ (README "Worker API")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker API views (DESIGN §4): thin — validate, call one use case, shape JSON.
+"""Worker API views (README "Worker API"): thin — validate, call one use case, shape JSON.
 
 Views never log request bodies; every failure leaves through the one error
 envelope (`qinglong.api_errors`).
@@ -52,7 +52,7 @@ from workers.services import (
     session_open,
 )
 
-# DESIGN §4: Worker bodies are small; the largest is an ACK with a 64 KiB tail.
+# README "Worker API": Worker bodies are small; the largest is an ACK with a 64 KiB tail.
 WORKER_MAX_BODY_BYTES = 80 * 1024
 
 _TAG = ["worker"]
@@ -181,7 +181,7 @@ MAX_PULL_WAIT_S = 60
 
 def _wait_s(request: Request) -> int:
     params = request.query_params
-    # DESIGN §4: unknown request fields are a 400, never silently ignored; the
+    # README "Worker API": unknown request fields are a 400, never silently ignored; the
     # same goes for a query string (and a repeated wait_s is ambiguous).
     unknown = {key for key in params if key != "wait_s"}
     if unknown:
@@ -254,7 +254,7 @@ class PullView(WorkerApiView):
                 code="pull_id_conflict",
                 message="this pull_id was already used with another lease_token",
             ) from None
-        # The only response that carries specs and lease tokens (DESIGN §3 "Offer").
+        # The only response that carries specs and lease tokens (docs/adr/0002).
         return Response(
             {
                 "offers": [offer.to_wire() for offer in result.offers],

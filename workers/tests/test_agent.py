@@ -1,6 +1,6 @@
 """The reference agent's pure parts with a fake transport and a fake process.
 
-DESIGN §4 protocol rules: verify the spec digest; ACK `starting` BEFORE
+README "Worker API": verify the spec digest; ACK `starting` BEFORE
 spawning (a 409 there means do not run); `running` carries `pid:<pid>`; the
 outcome carries the exit code and a bounded output tail; a cancel verdict or
 any 409 stops the Attempt.

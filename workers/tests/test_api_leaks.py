@@ -1,4 +1,4 @@
-"""Nothing secret leaves except in the owning Session's pull response (DESIGN §1).
+"""Nothing secret leaves except in the owning Session's pull response (docs/adr/0003).
 
 A Task carries canary strings in its command, env and cwd. Every endpoint is
 driven, error paths included, with every logger at DEBUG; the canaries may

@@ -1,4 +1,4 @@
-"""The Worker protocol end to end over HTTP (DESIGN §4)."""
+"""The Worker protocol end to end over HTTP (README "Worker API")."""
 
 from __future__ import annotations
 

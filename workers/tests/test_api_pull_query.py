@@ -1,6 +1,6 @@
 """The pull's query string: only `wait_s`, once; anything else is a 400 that claims nothing.
 
-DESIGN §4 "unknown request fields are rejected with 400 (never silently
+README "Worker API": "unknown request fields are rejected with 400 (never silently
 applied)" holds for the query string too (the schema fuzzer checks it).
 """
 

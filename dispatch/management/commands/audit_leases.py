@@ -1,6 +1,6 @@
-"""`manage.py audit_leases`: classify every active lease; `--expire` repairs (DESIGN §5).
+"""`manage.py audit_leases`: classify every active lease; `--expire` repairs them.
 
-The active RunLease is the recovery authority (ADR §5), so an active lease that
+The active RunLease is the recovery authority (docs/adr/0002), so an active lease that
 can no longer be honoured — expired, fenced Session, cancelled Run, an Attempt
 that moved on, a pinned spec that no longer hashes to the lease's digest — is
 what an operator must see. Repairs go through the same services the sweepers
@@ -99,7 +99,7 @@ def classify(lease: RunLease, *, now: datetime) -> str:
 
 def _spec_drifted(lease: RunLease) -> bool:
     # Re-materialize from the pinned revision exactly as recovery does
-    # (DESIGN §3 step 1); a revision that no longer validates is drift too.
+    # (docs/adr/0001 step 1); a revision that no longer validates is drift too.
     try:
         spec = attempt_spec(attempt=lease.attempt, run=lease.run, revision=lease.run.task_revision)
     except SpecError:

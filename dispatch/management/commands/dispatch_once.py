@@ -14,7 +14,7 @@ from dispatch.notify import RedisOfferNotifier
 
 class Command(BaseCommand):
     help = (
-        "Run one bounded global dispatch cycle (DESIGN §3) and print its redacted "
+        "Run one bounded global dispatch cycle (docs/adr/0001) and print its redacted "
         "summary: status, reason, truncation and counts — never a spec or token. "
         "The cycle is recorded as a DispatchCycle row and honours the operator "
         "kill switch (status 'paused'). Exit status 0 whatever the cycle found."

@@ -1,4 +1,4 @@
-"""`manage.py run_dispatcher`: the embedded default's dispatcher (DESIGN §1, §5).
+"""`manage.py run_dispatcher`: the embedded default's dispatcher (README "Running it").
 
 A plain loop around one bounded step, like healthchecks' `sendalerts`: a global
 `dispatch_cycle`, and every `--sweep-interval` seconds the sweepers. No Celery,
@@ -194,7 +194,7 @@ class DispatchLoop:
                 self.emit("cycle", summary)
                 if summary["status"] == "offered":
                     # More work is likely waiting: throughput comes from more
-                    # short cycles (DESIGN §3), not from bigger ones.
+                    # short cycles (docs/adr/0001), not from bigger ones.
                     delay = 0.0
             self.totals["cycles"] += 1
             if self.max_cycles and self.totals["cycles"] >= self.max_cycles:
