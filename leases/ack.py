@@ -38,7 +38,7 @@ from leases.locks import lock_lease_chain
 from leases.models import LeaseState, RunLease
 from leases.transitions import attempt_transition, lease_extend, lease_transition, run_transition
 from qinglong.clock import db_now
-from runs.models import AttemptState, RunState
+from runs.models import Attempt, AttemptState, Run, RunState
 from workers.models import WorkerSession
 
 __all__ = [
@@ -92,10 +92,20 @@ ACK_PHASE_DEPENDENT_FIELDS: Final = ("executor_handle", "exit_code", "error_code
 @dataclass(frozen=True)
 class AckResult:
     offer_id: str
-    attempt_state: str
-    run_state: str
+    attempt_state: AttemptState
+    run_state: RunState
     cancel_requested: bool
     outcome: Outcome
+
+
+def _result(offer_id: str, attempt: Attempt, run: Run, outcome: Outcome) -> AckResult:
+    return AckResult(
+        offer_id=offer_id,
+        attempt_state=AttemptState(attempt.state),
+        run_state=RunState(run.state),
+        cancel_requested=run.cancel_requested,
+        outcome=outcome,
+    )
 
 
 def _authorize(lease: RunLease | None, *, session: WorkerSession, lease_token: str) -> RunLease:
@@ -142,9 +152,7 @@ def lease_ack(
                 raise LeaseConflict("spec_sha256 differs from the lease", code="spec_mismatch")
             target = PHASE_TARGET[phase]
             if attempt.lease_generation == lease.lease_generation and attempt.state == target:
-                return AckResult(
-                    offer_id, attempt.state, run.state, run.cancel_requested, Outcome.UNCHANGED
-                )
+                return _result(offer_id, attempt, run, Outcome.UNCHANGED)
             if lease.state != LeaseState.ACTIVE:
                 raise LeaseConflict(f"the lease is {lease.state}", code=f"lease_{lease.state}")
             now = db_now()
@@ -202,4 +210,4 @@ def lease_ack(
             "attempt_state": attempt.state,
         },
     )
-    return AckResult(offer_id, attempt.state, run.state, run.cancel_requested, Outcome.APPLIED)
+    return _result(offer_id, attempt, run, Outcome.APPLIED)

@@ -22,6 +22,7 @@ from django.db.models import Q
 from dispatch.core.errors import SpecError
 from dispatch.core.offer import token_digest
 from dispatch.core.placement import validate_labels
+from dispatch.core.policy import capacity
 from dispatch.core.spec import validate_executor_type
 from dispatch.notify import announce_sessions_fenced
 from leases.end import leases_end_for_session
@@ -246,7 +247,8 @@ def session_open(
             token_digest=token_digest(token),
             executor_types=types,
             labels=dict(locked.labels),
-            slots=min(slot_count, locked.slots),
+            # Never more than the Worker was enrolled with (dispatch.core.policy).
+            slots=capacity(slot_count, locked.slots),
             agent_version=str(agent_version)[:64],
             heartbeat_at=now,
         )
@@ -300,7 +302,7 @@ def _fenced_code(session: WorkerSession) -> str:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    session_state: str
+    session_state: SessionState
     cancel: list[str]
     server_time: datetime
     renewed: int
@@ -371,7 +373,7 @@ def _heartbeat_answer(
     session: WorkerSession, *, now: datetime, renewed: int, recorded: bool
 ) -> Heartbeat:
     return Heartbeat(
-        session_state=session.state,
+        session_state=SessionState(session.state),
         cancel=cancelled_offer_ids(session),
         server_time=now,
         renewed=renewed,

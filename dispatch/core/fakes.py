@@ -311,7 +311,7 @@ class FakeStore:
             executor_types=frozenset(executor_types),
             labels=dict(labels or {}),
             slots=slots,
-            session=self._new_session(1, min(session_slots or slots, slots)),
+            session=self._new_session(1, policy.capacity(session_slots or slots, slots)),
         )
         return self.session_ref(wid)
 
@@ -328,7 +328,8 @@ class FakeStore:
         if old is not None:
             old.state = "replaced"
         worker.session = self._new_session(
-            (old.generation if old else 0) + 1, min(slots or worker.slots, worker.slots)
+            (old.generation if old else 0) + 1,
+            policy.capacity(slots or worker.slots, worker.slots),
         )
         return self.session_ref(worker_id)
 
