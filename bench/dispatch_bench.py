@@ -66,6 +66,8 @@ def _bench_env(base: str) -> dict[str, str]:
 
 
 def _setup_django(base: str) -> None:
+    # Project modules are imported inside the functions below, never at the
+    # top: they import models, which need this setup (and its environment) first.
     os.environ.update(_bench_env(base))
     sys.path.insert(0, str(ROOT))
     import django

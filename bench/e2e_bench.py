@@ -121,6 +121,8 @@ def django_env(base: str, db: str, *, log_level: str) -> dict[str, str]:
 
 
 def setup_django(env: dict[str, str]) -> None:
+    # Project modules are imported inside the functions below, never at the
+    # top: they import models, which need this setup (and its environment) first.
     os.environ.update(env)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
