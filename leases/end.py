@@ -22,11 +22,12 @@ from typing import Unpack
 
 from django.db import IntegrityError, transaction
 
+from dispatch.core.policy import MAX_DELIVERIES_REASON
 from leases import policy
 from leases.errors import LostRace, Outcome
 from leases.locks import lock_active_attempt, lock_active_lease, lock_lease_chain, lock_run
 from leases.models import LeaseState, RunLease
-from leases.selectors import MAX_DELIVERIES_REASON, leases_over_delivered
+from leases.selectors import leases_over_delivered
 from leases.transitions import (
     AttemptReport,
     attempt_transition,
