@@ -12,7 +12,7 @@ from typing import Any
 
 from dispatch.core.ports import to_rfc3339
 from leases.models import RunLease
-from runs.models import Attempt, Project, Run
+from runs.models import Attempt, Project, Run, RunState
 
 MAX_PAGE = 100
 TOKEN_DIGEST_PREFIX_CHARS = 8
@@ -122,7 +122,7 @@ def run_detail(run_id: int) -> dict[str, Any] | None:
 
 
 def run_page(
-    *, state: str | None, cursor: int | None, limit: int
+    *, state: RunState | None, cursor: int | None, limit: int
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Keyset page, newest first (index run_state_id serves the state filter)."""
     qs = _runs().order_by("-id")

@@ -31,6 +31,7 @@ from dispatch.core.spec import (
 )
 from leases.models import LeaseSource, LeaseState
 from qinglong.api_common import (
+    BodySerializer,
     FullMatchRegexValidator,
     StrictCharField,
     StrictIntegerField,
@@ -51,7 +52,7 @@ class ProjectCreateRequestSerializer(StrictSerializer):
     )
 
 
-class ProjectSerializer(serializers.Serializer):
+class ProjectSerializer(BodySerializer):
     id = serializers.CharField()
     slug = serializers.CharField()
     name = serializers.CharField()
@@ -59,7 +60,7 @@ class ProjectSerializer(serializers.Serializer):
     created_at = serializers.DateTimeField()
 
 
-class ProjectPageSerializer(serializers.Serializer):
+class ProjectPageSerializer(BodySerializer):
     results = ProjectSerializer(many=True)
     next_cursor = serializers.CharField(allow_null=True)
 
@@ -67,7 +68,7 @@ class ProjectPageSerializer(serializers.Serializer):
 # ------------------------------------------------------------ task (docs only)
 
 
-class ResourcesRequestSerializer(serializers.Serializer):
+class ResourcesRequestSerializer(BodySerializer):
     cpu_millis = serializers.IntegerField(min_value=0, max_value=MAX_CPU_MILLIS, required=False)
     memory_mb = serializers.IntegerField(min_value=0, max_value=MAX_MEMORY_MB, required=False)
 
@@ -86,12 +87,12 @@ def _label_values() -> serializers.CharField:
     )
 
 
-class PreferredTermRequestSerializer(serializers.Serializer):
+class PreferredTermRequestSerializer(BodySerializer):
     labels = serializers.DictField(child=_label_values(), help_text=_LABELS_HELP)
     weight = serializers.IntegerField(min_value=1, max_value=MAX_WEIGHT)
 
 
-class PlacementRequestSerializer(serializers.Serializer):
+class PlacementRequestSerializer(BodySerializer):
     executor_type = serializers.CharField(required=False, allow_null=True)
     required_labels = serializers.DictField(
         child=_label_values(), required=False, allow_null=True, help_text=_LABELS_HELP
@@ -102,7 +103,7 @@ class PlacementRequestSerializer(serializers.Serializer):
     )
 
 
-class _DefinitionFields(serializers.Serializer):
+class _DefinitionFields(BodySerializer):
     executor_type = serializers.CharField(
         max_length=32, validators=[FullMatchRegexValidator(EXECUTOR_TYPE_RE)]
     )
@@ -141,7 +142,7 @@ class TaskDefinitionRequestSerializer(_DefinitionFields):
     """PUT body: the full new definition (a new revision)."""
 
 
-class TaskSerializer(serializers.Serializer):
+class TaskSerializer(BodySerializer):
     id = serializers.CharField()
     project = serializers.CharField(help_text="Project slug.")
     name = serializers.CharField()
@@ -158,7 +159,7 @@ class RunCreateRequestSerializer(StrictSerializer):
     priority = StrictIntegerField(min_value=-1000, max_value=1000, required=False, default=0)
 
 
-class LeaseFactsSerializer(serializers.Serializer):
+class LeaseFactsSerializer(BodySerializer):
     lease_id = serializers.CharField()
     state = serializers.ChoiceField(choices=LeaseState.choices)
     generation = serializers.IntegerField()
@@ -175,7 +176,7 @@ class LeaseFactsSerializer(serializers.Serializer):
     )
 
 
-class AttemptSerializer(serializers.Serializer):
+class AttemptSerializer(BodySerializer):
     id = serializers.CharField()
     number = serializers.IntegerField()
     state = serializers.ChoiceField(choices=AttemptState.choices)
@@ -189,7 +190,7 @@ class AttemptSerializer(serializers.Serializer):
     leases = LeaseFactsSerializer(many=True)
 
 
-class RunSummarySerializer(serializers.Serializer):
+class RunSummarySerializer(BodySerializer):
     id = serializers.CharField()
     project = serializers.CharField(help_text="Project slug.")
     task = serializers.CharField(help_text="Task name.")
@@ -206,6 +207,6 @@ class RunDetailSerializer(RunSummarySerializer):
     attempts = AttemptSerializer(many=True)
 
 
-class RunPageSerializer(serializers.Serializer):
+class RunPageSerializer(BodySerializer):
     results = RunSummarySerializer(many=True)
     next_cursor = serializers.CharField(allow_null=True)

@@ -283,8 +283,9 @@ class RunsView(OperatorApiView):
     def get(self, request: Request) -> Response:
         query = _query(RunListQuerySerializer, request)
         cursor = query.get("cursor")
+        state = query.get("state")
         results, next_cursor = run_page(
-            state=query.get("state"),
+            state=None if state is None else RunState(state),
             cursor=None if cursor is None else int(cursor),
             limit=query["limit"],
         )

@@ -29,11 +29,12 @@ from qinglong.api_common import (
     StrictUUIDField,
 )
 from runs.models import AttemptState, RunState
-from workers.agent.protocol import (
-    MAX_OUTPUT_TAIL_BYTES,
-    clean_output_tail,
-    output_tail_wire_bytes,
-)
+
+# Re-exported on purpose (`X as X`): the server's output-tail rule is the
+# agent's, the very same objects, and workers/tests hold them to that.
+from workers.agent.protocol import MAX_OUTPUT_TAIL_BYTES as MAX_OUTPUT_TAIL_BYTES
+from workers.agent.protocol import clean_output_tail as clean_output_tail
+from workers.agent.protocol import output_tail_wire_bytes as output_tail_wire_bytes
 from workers.models import SessionState
 from workers.services import MAX_EXECUTOR_TYPES, MAX_SLOTS
 

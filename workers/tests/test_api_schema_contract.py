@@ -15,12 +15,8 @@ import pytest
 from django.test import Client
 from jsonschema import Draft4Validator  # type: ignore[import-untyped]
 
-from leases.ack import AckPhase
-from workers.api.serializers import (
-    ACK_PHASE_DEPENDENT_FIELDS,
-    ACK_PHASE_FIELDS,
-    AckRequestSerializer,
-)
+from leases.ack import ACK_PHASE_DEPENDENT_FIELDS, ACK_PHASE_FIELDS, AckPhase
+from workers.api.serializers import AckRequestSerializer
 from workers.api.views import MAX_PULL_WAIT_S
 
 pytestmark = pytest.mark.django_db

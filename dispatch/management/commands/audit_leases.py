@@ -57,7 +57,7 @@ PAGE_SIZE: Final = 200
 class LeaseFinding:
     lease_id: int
     attempt_id: int
-    attempt_state: str
+    attempt_state: AttemptState
     worker_id: int
     session_generation: int
     lease_generation: int
@@ -122,7 +122,7 @@ def audit(*, now: datetime) -> list[LeaseFinding]:
                 LeaseFinding(
                     lease_id=lease.pk,
                     attempt_id=lease.attempt_id,
-                    attempt_state=lease.attempt.state,
+                    attempt_state=AttemptState(lease.attempt.state),
                     worker_id=lease.worker_id,
                     session_generation=lease.session_generation,
                     lease_generation=lease.lease_generation,
