@@ -1,137 +1,25 @@
 """`manage.py audit_leases`: classify every active lease; `--expire` repairs them.
 
-The active RunLease is the recovery authority (docs/adr/0002), so an active lease that
-can no longer be honoured — expired, fenced Session, cancelled Run, an Attempt
-that moved on, a pinned spec that no longer hashes to the lease's digest — is
-what an operator must see. Repairs go through the same services the sweepers
-use (`lease_expire`, `lease_revoke`), so the audit can never do anything a
-sweeper could not.
+The classification is `leases.audit` (the admin overview shows the same
+categories). Repairs go through the same services the sweepers use
+(`lease_expire`, `lease_revoke`), so the audit can never do anything a sweeper
+could not.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass
-from datetime import datetime
-from typing import Any, Final
+from dataclasses import asdict
+from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from dispatch.core.errors import SpecError
-from dispatch.core.policy import spec_matches_lease
-from dispatch.core.spec import spec_sha256
-from leases import policy
+from leases.audit import CATEGORIES, PROBLEMS, REVOKE_REASONS, LeaseFinding, audit, classify
 from leases.end import lease_expire, lease_revoke
 from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
 from qinglong.clock import db_now
-from runs.models import ATTEMPT_TERMINAL_STATES, RUN_TERMINAL_STATES, AttemptState
-from runs.services import attempt_spec
-from workers.models import SessionState
-
-# Healthy categories first, then problems in the order they are checked: the
-# first matching problem names the lease.
-HEALTHY: Final = ("deliverable", "awaiting_start", "running", "cancelling")
-PROBLEMS: Final = (
-    "orphaned",
-    "expired",
-    "session_replaced",
-    "session_offline",
-    "cancelled",
-    "spec_drift",
-)
-CATEGORIES: Final = HEALTHY + PROBLEMS
-# The reason recorded on a repaired lease (end_reason / AttemptEvent.reason).
-REVOKE_REASONS: Final = {
-    "orphaned": "audit_orphaned",
-    "session_replaced": "session_replaced",
-    "session_offline": "session_offline",
-    "cancelled": "run_cancelled",
-    "spec_drift": "spec_drift",
-}
-PAGE_SIZE: Final = 200
-
-
-@dataclass(frozen=True)
-class LeaseFinding:
-    lease_id: int
-    attempt_id: int
-    attempt_state: AttemptState
-    worker_id: int
-    session_generation: int
-    lease_generation: int
-    category: str
-
-
-def classify(lease: RunLease, *, now: datetime) -> str:
-    attempt, run, session = lease.attempt, lease.run, lease.session
-    if (
-        attempt.state in ATTEMPT_TERMINAL_STATES
-        or attempt.state == AttemptState.PENDING
-        or run.state in RUN_TERMINAL_STATES
-        or attempt.lease_generation != lease.lease_generation
-        or session.generation != lease.session_generation
-    ):
-        return "orphaned"
-    if not policy.lease_is_live(lease, now=now):
-        return "expired"
-    if not policy.session_may_act(session, generation=lease.session_generation):
-        # Fenced at the lease's own generation (checked above): the Session
-        # was replaced or went offline, and the category names which.
-        return f"session_{SessionState(session.state)}"
-    if run.cancel_requested:
-        # A started Attempt of a cancelled Run is the normal in-progress cancel:
-        # heartbeats and ACKs carry the verdict and the Worker's terminal ACK
-        # ends it. Only a lease that never started should have been revoked.
-        if attempt.state in (AttemptState.STARTING, AttemptState.RUNNING):
-            return "cancelling"
-        return "cancelled"
-    if _spec_drifted(lease):
-        return "spec_drift"
-    if attempt.state in (AttemptState.STARTING, AttemptState.RUNNING):
-        return "running"
-    if lease.last_delivered_at is not None:
-        # Pulled or announced to its Session, not yet ACKed starting.
-        return "awaiting_start"
-    return "deliverable"
-
-
-def _spec_drifted(lease: RunLease) -> bool:
-    # Re-materialize from the pinned revision exactly as recovery does
-    # (docs/adr/0001 step 1); a revision that no longer validates is drift too.
-    try:
-        spec = attempt_spec(attempt=lease.attempt, run=lease.run, revision=lease.run.task_revision)
-    except SpecError:
-        return True
-    return not spec_matches_lease(spec_sha256(spec), lease.spec_digest)
-
-
-def audit(*, now: datetime) -> list[LeaseFinding]:
-    """Every active lease, classified; read-only, paged by id."""
-    findings: list[LeaseFinding] = []
-    after = 0
-    while True:
-        page = list(
-            RunLease.objects.filter(state=LeaseState.ACTIVE, pk__gt=after)
-            .select_related("attempt", "run", "run__task_revision", "session")
-            .order_by("id")[:PAGE_SIZE]
-        )
-        for lease in page:
-            findings.append(
-                LeaseFinding(
-                    lease_id=lease.pk,
-                    attempt_id=lease.attempt_id,
-                    attempt_state=AttemptState(lease.attempt.state),
-                    worker_id=lease.worker_id,
-                    session_generation=lease.session_generation,
-                    lease_generation=lease.lease_generation,
-                    category=classify(lease, now=now),
-                )
-            )
-        if len(page) < PAGE_SIZE:
-            return findings
-        after = page[-1].pk
 
 
 def repair(finding: LeaseFinding) -> Outcome:
