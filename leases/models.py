@@ -23,6 +23,14 @@ class LeaseState(models.TextChoices):
     REVOKED = "revoked"  # session replaced/offline, cancel, operator, max deliveries
 
 
+class ExecutionOutcome(models.TextChoices):
+    """What a reconciling Worker reports about an execution of an earlier Session."""
+
+    KILLED = "killed"  # it was still running and the Worker ended it
+    EXITED = "exited"  # it had exited on its own
+    NOT_STARTED = "not_started"  # no process was ever spawned
+
+
 class RunLease(models.Model):
     """The authority binding an Attempt to one Worker Session."""
 
@@ -48,6 +56,14 @@ class RunLease(models.Model):
     last_delivered_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=48, blank=True, default="")
+    # The Worker's reconcile report (docs/adr/0005): the execution this lease
+    # granted is confirmed gone, by whom, when and how. Set once.
+    execution_confirmed_at = models.DateTimeField(null=True, blank=True)
+    execution_outcome = models.CharField(
+        max_length=16, choices=ExecutionOutcome.choices, blank=True, default=""
+    )
+    execution_exit_code = models.IntegerField(null=True, blank=True)
+    execution_confirmed_by = models.CharField(max_length=80, blank=True, default="")
 
     class Meta:
         # The table keeps the name it had when the model lived in `dispatch`

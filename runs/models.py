@@ -192,6 +192,12 @@ class Attempt(models.Model):
     exit_code = models.IntegerField(null=True, blank=True)
     error_code = models.CharField(max_length=64, blank=True, default="")
     output_tail = models.TextField(blank=True, default="")
+    # The one "not yet" of a pending Attempt (docs/adr/0005): no claim before
+    # this instant; NULL = eligible now. The candidate read skips it in SQL.
+    not_before = models.DateTimeField(null=True, blank=True)
+    # Why it waits, for operators and for the one writer that may lift the
+    # wait early (a reconcile report lifts only `lost_execution_grace`).
+    not_before_reason = models.CharField(max_length=32, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
