@@ -13,6 +13,9 @@ from typing import Any
 from django.db import models
 from django.db.models import Q
 
+from dispatch.core.spec import DEFAULT_RETRY_BACKOFF_MAX_S
+from dispatch.core.spec import RetryOn as SpecRetryOn
+
 
 class Project(models.Model):
     """Namespace that owns Tasks; the unit of fairness and quota."""
@@ -62,6 +65,17 @@ class ImmutableRevision(Exception):
     """A TaskRevision was about to be changed in place."""
 
 
+class RetryOn(models.TextChoices):
+    """`dispatch.core.spec.RetryOn` as model choices (one vocabulary, checked below)."""
+
+    EXIT_CODE = SpecRetryOn.EXIT_CODE.value  # failed, start_failed, timed_out
+    WORKER_LOST = SpecRetryOn.WORKER_LOST.value  # lost: the Worker or its Session went away
+    BOTH = SpecRetryOn.BOTH.value  # either (the default)
+
+
+assert set(RetryOn.values) == {member.value for member in SpecRetryOn}
+
+
 class TaskRevisionQuerySet(models.QuerySet["TaskRevision"]):
     def update(self, **kwargs: Any) -> int:
         raise ImmutableRevision("TaskRevision rows are immutable; edit the Task instead.")
@@ -80,6 +94,14 @@ class TaskRevision(models.Model):
     resources = models.JSONField(default=dict, blank=True)
     placement = models.JSONField(default=dict, blank=True)
     max_attempts = models.PositiveSmallIntegerField(default=1)
+    # Run policies (README "Run policies"), validated by dispatch.core.spec:
+    # this Task's own concurrency limit besides the Project's (0 = unlimited),
+    # counted from live leases in the claim; which failures are retried, and
+    # how long a retry waits (doubling from retry_backoff_s up to the cap).
+    max_concurrent_runs = models.PositiveIntegerField(default=0)
+    retry_on = models.CharField(max_length=16, choices=RetryOn.choices, default=RetryOn.BOTH)
+    retry_backoff_s = models.PositiveIntegerField(default=0)
+    retry_backoff_max_s = models.PositiveIntegerField(default=DEFAULT_RETRY_BACKOFF_MAX_S)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TaskRevisionQuerySet.as_manager()
@@ -93,6 +115,9 @@ class TaskRevision(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(max_attempts__gte=1), name="taskrevision_max_attempts_gte_1"
+            ),
+            models.CheckConstraint(
+                condition=Q(retry_on__in=RetryOn.values), name="taskrevision_retry_on_valid"
             ),
         ]
 

@@ -57,6 +57,10 @@ def _revision_create(*, task: Task, number: int, definition: TaskDefinition) -> 
         resources=dict(definition.resources),
         placement=definition.placement.to_wire(),
         max_attempts=definition.max_attempts,
+        max_concurrent_runs=definition.policy.max_concurrent_runs,
+        retry_on=definition.policy.retry_on.value,
+        retry_backoff_s=definition.policy.retry_backoff_s,
+        retry_backoff_max_s=definition.policy.retry_backoff_max_s,
     )
 
 
@@ -99,6 +103,10 @@ def revision_definition(revision: TaskRevision) -> TaskDefinition:
             "resources": revision.resources,
             "placement": revision.placement,
             "max_attempts": revision.max_attempts,
+            "max_concurrent_runs": revision.max_concurrent_runs,
+            "retry_on": revision.retry_on,
+            "retry_backoff_s": revision.retry_backoff_s,
+            "retry_backoff_max_s": revision.retry_backoff_max_s,
         }
     )
 

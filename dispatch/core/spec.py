@@ -7,6 +7,7 @@ Every rule violation is a `SpecError` naming the field (never the value).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import re
@@ -33,17 +34,21 @@ __all__ = [
     "MAX_COMMAND_ITEMS",
     "MAX_COMMAND_ITEM_CHARS",
     "MAX_COMMAND_TOTAL_CHARS",
+    "MAX_CONCURRENT_RUNS_LIMIT",
     "MAX_CPU_MILLIS",
     "MAX_CWD_CHARS",
     "MAX_ENV_ITEMS",
     "MAX_ENV_VALUE_CHARS",
     "MAX_ID_CHARS",
     "MAX_MEMORY_MB",
+    "MAX_RETRY_BACKOFF_S",
     "MAX_SPEC_BYTES",
     "MAX_SPEC_PAYLOAD_BYTES",
     "MAX_TIMEOUT_S",
     "SPEC_FIELDS",
     "SPEC_VERSION",
+    "RetryOn",
+    "RunPolicy",
     "TaskDefinition",
     "build_spec",
     "canonical_json",
@@ -56,6 +61,7 @@ __all__ = [
     "validate_id",
     "validate_max_attempts",
     "validate_resources",
+    "validate_run_policy",
     "validate_spec",
     "validate_task_definition",
     "validate_timeout_s",
@@ -80,6 +86,11 @@ MAX_ATTEMPTS_LIMIT: Final = 100
 MAX_CPU_MILLIS: Final = 1_000_000
 MAX_MEMORY_MB: Final = 10_000_000
 MAX_ID_CHARS: Final = 20
+# Run policies (README "Run policies"): a Task's own concurrency limit and its
+# retry backoff. A backoff over a day is an outage, not a retry.
+MAX_CONCURRENT_RUNS_LIMIT: Final = 10_000
+MAX_RETRY_BACKOFF_S: Final = 86_400
+DEFAULT_RETRY_BACKOFF_MAX_S: Final = 3_600
 ENV_KEY_RE: Final = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 # A read-only view: callers get copies from validate_resources(), so nobody can
 # change the default for every later task by mutating it.
@@ -121,8 +132,20 @@ _DEFINITION_FIELDS: Final = frozenset(
         "resources",
         "placement",
         "max_attempts",
+        "max_concurrent_runs",
+        "retry_on",
+        "retry_backoff_s",
+        "retry_backoff_max_s",
     }
 )
+
+
+class RetryOn(enum.StrEnum):
+    """Which failed Attempts get another try (while attempts < max_attempts)."""
+
+    EXIT_CODE = "exit_code"  # the script failed: failed, start_failed, timed_out
+    WORKER_LOST = "worker_lost"  # the Worker or its Session went away (lost)
+    BOTH = "both"  # either (the default: what every Task did before run policies)
 
 
 def validate_command(value: object) -> list[str]:
@@ -226,6 +249,71 @@ def validate_max_attempts(value: object) -> int:
     return require_int(value, field="max_attempts", minimum=1, maximum=MAX_ATTEMPTS_LIMIT)
 
 
+@dataclass(frozen=True)
+class RunPolicy:
+    """A Task's run policies, pinned in each revision (README "Run policies").
+
+    Not part of the ExecutionSpec: the Worker never sees them, so adding them
+    changes no spec digest.
+    """
+
+    max_concurrent_runs: int = 0  # per Task, besides the Project's; 0 = unlimited
+    retry_on: RetryOn = RetryOn.BOTH
+    retry_backoff_s: int = 0  # the first retry waits this long; each next one twice as long
+    retry_backoff_max_s: int = DEFAULT_RETRY_BACKOFF_MAX_S  # the cap of that doubling
+
+    def retries(self, *, lost: bool) -> bool:
+        """Does this failure kind get another Attempt (attempts permitting)?"""
+        if self.retry_on is RetryOn.BOTH:
+            return True
+        return (self.retry_on is RetryOn.WORKER_LOST) == lost
+
+    def backoff_s(self, *, retry_number: int) -> int:
+        """Seconds before retry `retry_number` (1 = the first retry) may be claimed."""
+        if self.retry_backoff_s == 0 or retry_number < 1:
+            return 0
+        # 2**n grows without bound: stop doubling once past the cap.
+        exponent = min(retry_number - 1, MAX_RETRY_BACKOFF_S.bit_length())
+        doubled: int = self.retry_backoff_s << exponent
+        return min(doubled, self.retry_backoff_max_s)
+
+
+_RETRY_ON_VALUES: Final = frozenset(member.value for member in RetryOn)
+
+
+def validate_run_policy(raw: Mapping[str, object]) -> RunPolicy:
+    """The run-policy fields of a task definition (absent ones take the defaults)."""
+    max_concurrent_runs = require_int(
+        raw.get("max_concurrent_runs", 0),
+        field="max_concurrent_runs",
+        minimum=0,
+        maximum=MAX_CONCURRENT_RUNS_LIMIT,
+    )
+    retry_on = raw.get("retry_on", RetryOn.BOTH.value)
+    if not isinstance(retry_on, str) or retry_on not in _RETRY_ON_VALUES:
+        raise SpecError("retry_on", "must be one of " + ", ".join(m.value for m in RetryOn))
+    backoff = require_int(
+        raw.get("retry_backoff_s", 0),
+        field="retry_backoff_s",
+        minimum=0,
+        maximum=MAX_RETRY_BACKOFF_S,
+    )
+    backoff_max = require_int(
+        raw.get("retry_backoff_max_s", DEFAULT_RETRY_BACKOFF_MAX_S),
+        field="retry_backoff_max_s",
+        minimum=0,
+        maximum=MAX_RETRY_BACKOFF_S,
+    )
+    if backoff_max < backoff:
+        raise SpecError("retry_backoff_max_s", "must be at least retry_backoff_s")
+    return RunPolicy(
+        max_concurrent_runs=max_concurrent_runs,
+        retry_on=RetryOn(retry_on),
+        retry_backoff_s=backoff,
+        retry_backoff_max_s=backoff_max,
+    )
+
+
 def validate_id(value: object, *, field: str) -> str:
     """Ids cross the wire as decimal strings of database keys (the wire format)."""
     if not isinstance(value, str) or _ID.fullmatch(value) is None:
@@ -245,6 +333,7 @@ class TaskDefinition:
     resources: Mapping[str, int]
     placement: Placement
     max_attempts: int
+    policy: RunPolicy = RunPolicy()
 
 
 def _field_name(key: object) -> str:
@@ -279,6 +368,7 @@ def validate_task_definition(raw: Mapping[str, object]) -> TaskDefinition:
         resources=validate_resources(raw.get("resources")),
         placement=placement,
         max_attempts=validate_max_attempts(raw.get("max_attempts", DEFAULT_MAX_ATTEMPTS)),
+        policy=validate_run_policy(raw),
     )
 
 

@@ -23,11 +23,14 @@ from dispatch.core.spec import (
     MAX_ATTEMPTS_LIMIT,
     MAX_COMMAND_ITEM_CHARS,
     MAX_COMMAND_ITEMS,
+    MAX_CONCURRENT_RUNS_LIMIT,
     MAX_CPU_MILLIS,
     MAX_CWD_CHARS,
     MAX_ENV_VALUE_CHARS,
     MAX_MEMORY_MB,
+    MAX_RETRY_BACKOFF_S,
     MAX_TIMEOUT_S,
+    RetryOn,
 )
 from leases.models import LeaseSource, LeaseState
 from qinglong.api_common import (
@@ -131,6 +134,34 @@ class _DefinitionFields(BodySerializer):
     placement = PlacementRequestSerializer(required=False, allow_null=True)
     max_attempts = serializers.IntegerField(
         min_value=1, max_value=MAX_ATTEMPTS_LIMIT, required=False
+    )
+    # Run policies (README "Run policies"): pinned in the revision, never sent to a Worker.
+    max_concurrent_runs = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_CONCURRENT_RUNS_LIMIT,
+        required=False,
+        help_text="Runs of this Task holding a live lease at once, besides the Project's "
+        "limit; 0 (default) = unlimited.",
+    )
+    retry_on = serializers.ChoiceField(
+        choices=[member.value for member in RetryOn],
+        required=False,
+        help_text="Which failures get another Attempt while attempts < max_attempts: "
+        "`exit_code` (failed, start_failed, timed_out), `worker_lost` (lost), `both` "
+        "(default).",
+    )
+    retry_backoff_s = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_RETRY_BACKOFF_S,
+        required=False,
+        help_text="Seconds before the first retry may be claimed; each next retry waits "
+        "twice as long (default 0: at once).",
+    )
+    retry_backoff_max_s = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_RETRY_BACKOFF_S,
+        required=False,
+        help_text="The cap of that doubling (default 3600); at least `retry_backoff_s`.",
     )
 
 
