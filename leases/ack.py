@@ -38,6 +38,7 @@ from leases.locks import lock_lease_chain
 from leases.models import LeaseState, RunLease
 from leases.transitions import attempt_transition, lease_extend, lease_transition, run_transition
 from qinglong.clock import db_now
+from qinglong.metrics import LOST_RACES
 from runs.models import Attempt, AttemptState, Run, RunState
 from workers.models import WorkerSession
 
@@ -200,6 +201,7 @@ def lease_ack(
             f"{phase} is not allowed after {err.from_state}", code="illegal_phase"
         ) from None
     except LostRace:
+        LOST_RACES.labels(operation="ack").inc()
         raise LeaseConflict("the lease changed concurrently", code="lease_conflict") from None
     logger.info(
         "lease ack",

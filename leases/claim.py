@@ -27,6 +27,7 @@ from leases.models import RunLease
 from leases.selectors import active_lease_count, pull_id_conflicts, was_over_delivered_to
 from leases.transitions import attempt_transition, run_transition
 from qinglong.clock import db_now
+from qinglong.metrics import CLAIMS, LOST_RACES
 from runs.models import AttemptState, Project, Run, RunState
 
 __all__ = ["DatabaseClaimPort", "lease_claim"]
@@ -103,6 +104,7 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
             )
     except (LostRace, IntegrityError):
         # Another dispatcher changed the Attempt or inserted its lease first.
+        LOST_RACES.labels(operation="claim").inc()
         return lost
     logger.info(
         "lease claimed",
@@ -136,4 +138,7 @@ class DatabaseClaimPort:
     """The `ClaimPort` of `dispatch.core` over `lease_claim`."""
 
     def claim(self, request: ClaimRequest) -> ClaimOutcome:
-        return lease_claim(request)
+        # Every claim a cycle makes passes here (global and pull scope).
+        outcome = lease_claim(request)
+        CLAIMS.labels(outcome=str(outcome.status)).inc()
+        return outcome

@@ -36,6 +36,7 @@ from leases.transitions import (
     run_transition,
 )
 from qinglong.clock import db_now
+from qinglong.metrics import LEASE_EXPIRIES, LOST_RACES
 from runs.models import RUN_TERMINAL_STATES, Attempt, AttemptState, Run, RunState
 
 __all__ = [
@@ -154,11 +155,14 @@ def lease_end(
             if attempt.lease_generation == lease.lease_generation:
                 _return_or_lose(attempt, run, reason=reason, now=now)
     except LostRace:
+        LOST_RACES.labels(operation="lease_end").inc()
         return Outcome.LOST_RACE
     logger.info(
         "lease ended",
         extra={"event": f"lease_{to_state}", "lease_id": lease_id, "reason": reason},
     )
+    if kind is EndKind.EXPIRE:
+        LEASE_EXPIRIES.inc()
     return Outcome.APPLIED
 
 
@@ -259,4 +263,5 @@ def run_cancel(*, run: Run, actor: str = "") -> Outcome:
             run.refresh_from_db()
             return Outcome.APPLIED
     except LostRace:
+        LOST_RACES.labels(operation="cancel").inc()
         return Outcome.LOST_RACE

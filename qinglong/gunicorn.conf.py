@@ -15,6 +15,7 @@ value stops gunicorn with the variable's name:
 | `QL_WEB_GRACEFUL_TIMEOUT_S` | 30 | on SIGTERM/HUP, requests in flight get this long to finish |
 | `QL_WEB_KEEPALIVE_S` | 5 | idle keep-alive connections are closed after this long |
 | `QL_WEB_ACCESS_LOG` | off | `on`: one redacted line per request on stdout |
+| `PROMETHEUS_MULTIPROC_DIR` | unset | one scrape sums every worker's metrics (README "Metrics") |
 
 The access log, when on, has method, path (no query string), status, size and
 duration only: never a header (so never `Authorization`), a body or a
@@ -68,3 +69,19 @@ access_log_format = '%(h)s "%(m)s %(U)s %(H)s" %(s)s %(B)s %(M)sms'
 secure_scheme_headers: dict[str, str] = {}
 # Several nodes may share a host: no per-user control socket to fight over.
 control_socket_disable = True
+
+
+def child_exit(server: object, worker: object) -> None:
+    """A worker process exited: tell prometheus_client's multi-process mode.
+
+    With `PROMETHEUS_MULTIPROC_DIR` set (README "Metrics") every worker writes
+    its metric values to files there and a scrape sums them; a dead worker's
+    live gauges must be dropped (its counters stay, as counters should).
+    """
+    pid = getattr(worker, "pid", None)
+    if pid is None or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    # Imported only in multi-process mode, in the arbiter (never in a worker).
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid)

@@ -8,6 +8,7 @@ directory; `DATABASE_URL=postgres://…` selects PostgreSQL (psycopg 3).
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 import secrets
@@ -238,6 +239,36 @@ QINGLONG_PULL_WAIT_MAX_WAITERS = env_int(
 )
 QINGLONG_NOTIFY_REDIS_URL = env_str("QL_NOTIFY_REDIS_URL", "")
 QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, minimum=60)
+
+# --- metrics (README "Metrics") ------------------------------------------------
+# /metrics answers a scraper presenting QL_METRICS_TOKEN as a Bearer token (only
+# its digest is kept; compared in constant time) or connecting from an address
+# in QL_METRICS_ALLOW (addresses or networks, matched against the direct peer,
+# never X-Forwarded-For). With neither set it answers 403 to everyone.
+_metrics_token = env_str("QL_METRICS_TOKEN", "")
+if _metrics_token and len(_metrics_token) < 16:
+    raise ImproperlyConfigured("QL_METRICS_TOKEN must be at least 16 characters.")
+QINGLONG_METRICS_TOKEN_DIGEST = (
+    hashlib.sha256(_metrics_token.encode()).hexdigest() if _metrics_token else ""
+)
+del _metrics_token
+try:
+    QINGLONG_METRICS_ALLOW = [
+        ipaddress.ip_network(item, strict=False) for item in env_list("QL_METRICS_ALLOW", [])
+    ]
+except ValueError as _err:
+    raise ImproperlyConfigured(
+        f"QL_METRICS_ALLOW must list IP addresses or networks: {_err}"
+    ) from None
+# prometheus_client's multi-process mode (every process of a box writes its
+# values to files there; one scrape sums them): it must be a writable directory.
+_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+if _metrics_dir is not None and not (
+    Path(_metrics_dir).is_dir() and os.access(_metrics_dir, os.W_OK | os.X_OK)
+):
+    raise ImproperlyConfigured(
+        f"PROMETHEUS_MULTIPROC_DIR must be an existing writable directory: {_metrics_dir!r}"
+    )
 
 # --- Django REST framework / OpenAPI ----------------------------------------
 REST_FRAMEWORK: dict[str, Any] = {
