@@ -30,3 +30,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # By marker, not keyword: keywords also hold folder names (qinglong/tests/browser).
         if item.get_closest_marker(marker) is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cycle_recorder() -> object:
+    """Each test starts a fresh DispatchCycle window: its first cycle of any
+    outcome is a row of its own, as in a process that just started."""
+    from dispatch.cycles import cycle_recorder  # Django is set up by now
+
+    cycle_recorder.reset()
+    yield
+    cycle_recorder.reset()

@@ -129,6 +129,7 @@ class DispatchCycleAdmin(ViewOnlyAdmin):
         "scope",
         "status",
         "reason",
+        "cycles",
         "truncated",
         "duration_ms",
         "claims_won",
@@ -144,6 +145,7 @@ class DispatchCycleAdmin(ViewOnlyAdmin):
         "session_id",
         "status",
         "reason",
+        "cycles",
         "truncated",
         "counts",
     )

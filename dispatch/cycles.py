@@ -7,13 +7,28 @@ the operator kill switch, max-delivery revocation, delivery telemetry on the
 leases, the content-free notification of Sessions, and the redacted
 `DispatchCycle` record. Only `DispatchCycleResult.summary()` is ever logged or
 stored — never an offer, a spec or a token (docs/adr/0003).
+
+Recording is aggregated per process (`CycleRecorder`, issue #12): the first
+cycle of each outcome (scope, status, reason) in a window of
+`QL_CYCLE_SUMMARY_S` seconds is written at once (one row, one INFO line); the
+rest of that window's cycles with the same outcome become one summary row
+(`cycles` = how many, counts summed) when the window closes, the process
+stops, or at exit. An idle box therefore writes about two rows a minute per
+process instead of one per cycle and per pull; a rejected cycle (a port broke
+its contract) is always a row of its own.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Protocol
 
 from django.conf import settings
@@ -25,7 +40,7 @@ from dispatch.core.budget import DispatchBudget
 from dispatch.core.cycle import dispatch_once
 from dispatch.core.offer import ClaimedExecutionOffer
 from dispatch.core.ports import DispatchScope, PullCredential, Scope
-from dispatch.core.result import DispatchCycleResult
+from dispatch.core.result import CycleStatus, DispatchCycleResult
 from dispatch.models import DispatchControl, DispatchCycle
 from leases.end import leases_revoke_over_delivered
 from leases.errors import Outcome
@@ -34,8 +49,10 @@ from qinglong.clock import db_now
 from workers.models import WorkerSession
 
 __all__ = [
+    "CycleRecorder",
     "NullOfferNotifier",
     "OfferNotifier",
+    "cycle_recorder",
     "dispatch_budget",
     "dispatch_cycle",
     "dispatch_paused",
@@ -113,17 +130,139 @@ def _session_pk(scope: DispatchScope, session_pk: int | None) -> int | None:
 
 def _revoke_over_delivered(*, session_pk: int, max_deliveries: int) -> int:
     """Before a pull: past max_deliveries without a starting ACK, this Session's
-    lease is revoked and the Attempt returns to pending for another Worker."""
+    lease is revoked; its Attempt returns to pending and waits one redelivery
+    backoff (any Worker, this one included, may take it then), or fails its Run
+    `undeliverable` after `max_delivery_rounds` such revokes (docs/adr/0005)."""
     outcomes = leases_revoke_over_delivered(max_deliveries=max_deliveries, session_pk=session_pk)
     return sum(outcome is Outcome.APPLIED for outcome in outcomes)
 
 
-def _record(result: DispatchCycleResult, *, scope: DispatchScope) -> dict[str, object]:
+OutcomeKey = tuple[str, str, str]  # (scope, status, reason)
+
+
+@dataclass
+class _Pending:
+    """The cycles of one outcome not written yet in the current window."""
+
+    started_at: datetime
+    observed_at: datetime | None = None
+    cycles: int = 0
+    duration_ms: int = 0
+    truncated: bool = False
+    counts: Counter[str] = field(default_factory=Counter)
+    sessions: set[uuid.UUID | None] = field(default_factory=set)
+
+    def add(self, result: DispatchCycleResult, session_id: uuid.UUID | None) -> None:
+        self.observed_at = result.observed_at or self.observed_at
+        self.cycles += 1
+        self.duration_ms += result.duration_ms
+        self.truncated = self.truncated or result.truncated
+        self.counts.update(result.counts.as_dict())
+        self.sessions.add(session_id)
+
+
+def _window_s() -> float:
+    return float(settings.QINGLONG_CYCLE_SUMMARY_S)
+
+
+class CycleRecorder:
+    """Writes DispatchCycle rows for one process: a new outcome at once, repeats summed.
+
+    Thread-safe (a web process runs pulls on several threads). The first
+    cycle of an outcome in the current window is one row and one INFO line,
+    exactly its `summary()`; later cycles of that outcome in the window are
+    added to one pending summary, written as one row (`cycles` > 1 possible,
+    counts summed, `started_at` the first cycle's, `observed_at` the last
+    one's, `session_id` only when every cycle was the same Session's) when
+    the window is over, on `flush()` (the dispatcher loop's stop, a Celery
+    worker's shutdown) and at interpreter exit. A rejected cycle is always
+    written at once. What a summary sums is never lost while the process
+    lives; a process killed without running its exit handlers loses at most
+    one window of repeats (never a first occurrence, never a rejection).
+    """
+
+    def __init__(
+        self,
+        *,
+        window_s: Callable[[], float] = _window_s,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._window_s = window_s
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self._window_started = monotonic()
+        self._seen: set[OutcomeKey] = set()
+        self._pending: dict[OutcomeKey, _Pending] = {}
+        self._exit_hook = False
+
+    def record(self, result: DispatchCycleResult, *, scope: DispatchScope) -> bool:
+        """Record one cycle; True when it was written as a row of its own."""
+        session_id = None if scope.session is None else _uuid_or_none(scope.session.session_id)
+        key: OutcomeKey = (str(result.scope), str(result.status), str(result.reason))
+        now = self._monotonic()
+        with self._lock:
+            due: dict[OutcomeKey, _Pending] = {}
+            if now - self._window_started >= self._window_s():
+                due, self._pending, self._seen = self._pending, {}, set()
+                self._window_started = now
+            first = key not in self._seen or result.status is CycleStatus.REJECTED
+            if first:
+                self._seen.add(key)
+            else:
+                pending = self._pending.get(key)
+                if pending is None:
+                    pending = self._pending[key] = _Pending(started_at=_started_at(result))
+                pending.add(result, session_id)
+            if not self._exit_hook:
+                # Repeats still pending when the process ends are written then.
+                atexit.register(self._flush_at_exit)
+                self._exit_hook = True
+        _write_summaries(due)
+        if first:
+            _write_row(result, session_id=session_id)
+        else:
+            logger.debug("dispatch cycle", extra={"event": "dispatch_cycle", **result.summary()})
+        return first
+
+    def flush(self) -> int:
+        """Write every pending summary now; returns how many rows were written."""
+        with self._lock:
+            due, self._pending = self._pending, {}
+        return _write_summaries(due)
+
+    def reset(self) -> None:
+        """Forget everything (tests): the next cycle of any outcome is written at once."""
+        with self._lock:
+            self._pending, self._seen = {}, set()
+            self._window_started = self._monotonic()
+
+    def _flush_at_exit(self) -> None:
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001  (the database may be gone at exit)
+            logger.warning(
+                "pending dispatch cycle summaries not written at exit",
+                extra={"event": "dispatch_cycle_summary_lost"},
+            )
+
+
+def _uuid_or_none(value: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        return None
+
+
+def _started_at(result: DispatchCycleResult) -> datetime:
+    # observed_at is the database clock at cycle start; a paused cycle never
+    # read it, so the process clock stands in.
+    return result.observed_at or timezone.now()
+
+
+def _write_row(result: DispatchCycleResult, *, session_id: uuid.UUID | None) -> None:
     summary = result.summary()
     DispatchCycle.objects.create(
-        # observed_at is the database clock at cycle start; a paused cycle
-        # never read it, so the process clock stands in.
-        started_at=result.observed_at or timezone.now(),
+        started_at=_started_at(result),
         observed_at=result.observed_at,
         duration_ms=result.duration_ms,
         scope=str(result.scope),
@@ -131,10 +270,54 @@ def _record(result: DispatchCycleResult, *, scope: DispatchScope) -> dict[str, o
         reason=str(result.reason),
         truncated=result.truncated,
         counts=result.counts.as_dict(),
-        session_id=None if scope.session is None else uuid.UUID(scope.session.session_id),
+        session_id=session_id,
+        cycles=1,
     )
     logger.info("dispatch cycle", extra={"event": "dispatch_cycle", **summary})
-    return summary
+
+
+def _write_summaries(due: dict[OutcomeKey, _Pending]) -> int:
+    rows = [
+        DispatchCycle(
+            started_at=pending.started_at,
+            observed_at=pending.observed_at,
+            duration_ms=min(pending.duration_ms, _MAX_DURATION_MS),
+            scope=scope,
+            status=status,
+            reason=reason,
+            truncated=pending.truncated,
+            counts=dict(pending.counts),
+            session_id=next(iter(pending.sessions)) if len(pending.sessions) == 1 else None,
+            cycles=pending.cycles,
+        )
+        for (scope, status, reason), pending in due.items()
+        if pending.cycles
+    ]
+    if not rows:
+        return 0
+    DispatchCycle.objects.bulk_create(rows)
+    for row in rows:
+        logger.info(
+            "dispatch cycles",
+            extra={
+                "event": "dispatch_cycle_summary",
+                "scope": row.scope,
+                "status": row.status,
+                "reason": row.reason,
+                "cycles": row.cycles,
+                "truncated": row.truncated,
+                "duration_ms": row.duration_ms,
+                "counts": row.counts,
+            },
+        )
+    return len(rows)
+
+
+# PositiveIntegerField: a summed duration never overflows the column.
+_MAX_DURATION_MS = 2**31 - 1
+
+# The one recorder of this process.
+cycle_recorder = CycleRecorder()
 
 
 def dispatch_cycle(
@@ -154,7 +337,7 @@ def dispatch_cycle(
     _ensure_no_outer_transaction()
     if dispatch_paused():
         paused = DispatchCycleResult.paused(scope.kind)
-        _record(paused, scope=scope)
+        cycle_recorder.record(paused, scope=scope)
         return paused
     budget = dispatch_budget()
     if scope.kind is Scope.SESSION:
@@ -171,14 +354,15 @@ def dispatch_cycle(
     )
     if result.offers:
         # Telemetry (never authority), on the database clock: a pull counts
-        # toward max_deliveries; a global announcement only restarts the
-        # redelivery backoff (docs/adr/0002).
+        # toward max_deliveries, at most once per redelivery backoff (a
+        # re-poll inside it is not a delivery, docs/adr/0005); a global
+        # announcement only restarts the backoff (docs/adr/0002).
         leases_record_delivery(
             (offer.lease.lease_id for offer in result.offers),
             now=db_now(),
             count=scope.kind is Scope.SESSION,
         )
-    _record(result, scope=scope)
+    cycle_recorder.record(result, scope=scope)
     if scope.kind is Scope.GLOBAL and result.offers:
         _notify(notifier or NullOfferNotifier(), result.offers)
     return result

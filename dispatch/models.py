@@ -6,7 +6,11 @@ from django.db import models
 
 
 class DispatchCycle(models.Model):
-    """A redacted record of one dispatch cycle: `DispatchCycleResult.summary()`."""
+    """A redacted record of dispatch cycles: `DispatchCycleResult.summary()`.
+
+    One row is one cycle, or (`cycles` > 1) the summary of that many cycles of
+    one outcome in one process and window, counts summed (`dispatch.cycles.CycleRecorder`).
+    """
 
     started_at = models.DateTimeField()
     observed_at = models.DateTimeField(null=True, blank=True)
@@ -18,6 +22,8 @@ class DispatchCycle(models.Model):
     counts = models.JSONField(default=dict, blank=True)
     # Which Session pulled (session scope); never a token.
     session_id = models.UUIDField(null=True, blank=True)
+    # How many cycles of this outcome the row stands for (1: the row is one cycle).
+    cycles = models.PositiveIntegerField(default=1)
 
     class Meta:
         ordering = ["-id"]

@@ -7,10 +7,13 @@ cycle keeps offers in memory and hands them, content-free, to the notifier.
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import shared_task
+from celery.signals import worker_process_shutdown, worker_shutdown
 
 from dispatch.core.ports import DispatchScope
-from dispatch.cycles import dispatch_cycle
+from dispatch.cycles import cycle_recorder, dispatch_cycle
 from dispatch.notify import RedisOfferNotifier
 from dispatch.sweeps import (
     prune_dispatch_cycles,
@@ -45,6 +48,13 @@ def dispatch_cycle_task() -> dict[str, object]:
     """One global dispatch cycle (honours the kill switch; records itself)."""
     result = dispatch_cycle(scope=DispatchScope.global_(), notifier=_offer_notifier())
     return result.summary()
+
+
+@worker_shutdown.connect
+@worker_process_shutdown.connect
+def _flush_cycle_summaries(**kwargs: Any) -> None:
+    """A worker (or pool) process that stops writes the cycle summaries it still holds."""
+    cycle_recorder.flush()
 
 
 @shared_task(name="dispatch.tasks.sweep_expired_leases_task")

@@ -239,6 +239,10 @@ QINGLONG_PULL_WAIT_MAX_WAITERS = env_int(
 )
 QINGLONG_NOTIFY_REDIS_URL = env_str("QL_NOTIFY_REDIS_URL", "")
 QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, minimum=60)
+# DispatchCycle rows (dispatch.cycles.CycleRecorder): per process, the first
+# cycle of each outcome in a window of this many seconds is written at once,
+# its repeats as one summary row when the window closes.
+QINGLONG_CYCLE_SUMMARY_S = env_int("QL_CYCLE_SUMMARY_S", 60, minimum=1)
 
 # --- metrics (README "Metrics") ------------------------------------------------
 # /metrics answers a scraper presenting QL_METRICS_TOKEN as a Bearer token (only

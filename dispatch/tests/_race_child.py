@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     django.setup()
 
     from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
-    from dispatch.cycles import dispatch_cycle
+    from dispatch.cycles import cycle_recorder, dispatch_cycle
     from leases.ack import AckPhase, lease_ack
     from leases.errors import LeaseError
     from runs.models import Run, RunState
@@ -93,6 +93,8 @@ def main(argv: list[str]) -> int:
                 break
     else:
         raise SystemExit(f"unknown role {role!r}")
+    # The repeats of an outcome are summed into rows at the end: write them now.
+    cycle_recorder.flush()
     print(json.dumps({"role": role, **counts, "refusals": refusals}))
     sys.stdout.flush()
     return 0

@@ -96,7 +96,10 @@ def test_run_dispatcher_keeps_dispatching_with_no_broker_reachable():
     assert events[-1]["sweeps"] == 1
     assert {e["event"] for e in events} == {"cycle", "sweep", "stopped"}
     assert Run.objects.filter(pk__in=[r.pk for r in runs], state="dispatching").count() == 3
-    assert DispatchCycle.objects.count() == 4
+    # A new outcome is a row at once; its repeats are summed into one row,
+    # written when the loop stops: every cycle is accounted for.
+    assert sum(DispatchCycle.objects.values_list("cycles", flat=True)) == 4
+    assert DispatchCycle.objects.count() < 4
 
 
 def test_run_dispatcher_logs_a_failing_cycle_and_carries_on(monkeypatch, caplog):

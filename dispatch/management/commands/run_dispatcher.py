@@ -22,7 +22,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
 from dispatch.core.ports import DispatchScope
-from dispatch.cycles import NullOfferNotifier, OfferNotifier, dispatch_cycle
+from dispatch.cycles import NullOfferNotifier, OfferNotifier, cycle_recorder, dispatch_cycle
 from dispatch.notify import RedisOfferNotifier
 from dispatch.sweeps import run_all_sweeps
 
@@ -201,9 +201,20 @@ class DispatchLoop:
                 break
             if delay:
                 self.stop.wait(delay)
+        self._flush_cycle_records()
         totals = dict(self.totals)
         totals["statuses"] = dict(self.totals["statuses"])
         return totals
+
+    def _flush_cycle_records(self) -> None:
+        # The repeats summed since the last summary row are written on a clean stop.
+        try:
+            cycle_recorder.flush()
+        except Exception:
+            self.totals["errors"] += 1
+            logger.exception(
+                "cycle summaries not written", extra={"event": "dispatch_cycle_summary_failed"}
+            )
 
     def _sweep(self) -> None:
         try:
