@@ -46,6 +46,7 @@ from leases.end import leases_revoke_over_delivered
 from leases.errors import Outcome
 from leases.renew import leases_record_delivery
 from qinglong.clock import db_now
+from qinglong.metrics import cycle_observed
 from workers.models import WorkerSession
 
 __all__ = [
@@ -197,6 +198,8 @@ class CycleRecorder:
 
     def record(self, result: DispatchCycleResult, *, scope: DispatchScope) -> bool:
         """Record one cycle; True when it was written as a row of its own."""
+        # Every cycle, written now or summed later: the Prometheus counters.
+        cycle_observed(result)
         session_id = None if scope.session is None else _uuid_or_none(scope.session.session_id)
         key: OutcomeKey = (str(result.scope), str(result.status), str(result.reason))
         now = self._monotonic()

@@ -1,7 +1,8 @@
 """Row locks of execution state: one helper per row kind, one order for every path.
 
-The order, everywhere, is **Run → Attempt → (Project) → WorkerSession →
-RunLease**, so two use cases on PostgreSQL never deadlock (docs/adr/0004).
+The order, everywhere, is **Run → Attempt → (Project) → (Task) →
+WorkerSession → RunLease**, so two use cases on PostgreSQL never deadlock
+(docs/adr/0004; the Task row only for a Task concurrency limit, `leases.quota`).
 A Worker row is locked only by Session opens and credential rotations, which
 hold nothing else of this list while they do.
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from django.db import connection
 
 from leases.models import LeaseState, RunLease
-from runs.models import ATTEMPT_ACTIVE_STATES, Attempt, Project, Run
+from runs.models import ATTEMPT_ACTIVE_STATES, Attempt, Project, Run, Task
 from workers.models import Worker, WorkerSession
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "lock_project",
     "lock_run",
     "lock_session",
+    "lock_task",
     "lock_worker",
 ]
 
@@ -81,6 +83,13 @@ def lock_active_attempt(run_id: int) -> Attempt | None:
 def lock_project(project_id: int) -> None:
     """3. A Project with a quota: two claims in it cannot both take its last slot."""
     Project.objects.select_for_update(no_key=True, of=_SELF).filter(pk=project_id).values_list(
+        "pk", flat=True
+    ).first()
+
+
+def lock_task(task_id: int) -> None:
+    """3b. A Task with a concurrency limit: two claims cannot both take its last slot."""
+    Task.objects.select_for_update(no_key=True, of=_SELF).filter(pk=task_id).values_list(
         "pk", flat=True
     ).first()
 

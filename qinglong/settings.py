@@ -86,6 +86,7 @@ INSTALLED_APPS = [
     "workers.apps.WorkersConfig",
     "leases.apps.LeasesConfig",
     "dispatch.apps.DispatchConfig",
+    "schedules.apps.SchedulesConfig",
 ]
 
 MIDDLEWARE = [

@@ -154,6 +154,15 @@ class Run(models.Model):
     priority = models.IntegerField(default=0)
     queued_at = models.DateTimeField()
     cancel_requested = models.BooleanField(default=False)
+    # The Schedule that fired it, if any: its overlap policy asks "is a Run of
+    # mine still queued or running?" through the partial index run_schedule_active.
+    schedule = models.ForeignKey(
+        "schedules.Schedule",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="runs",
+    )
     version = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -172,6 +181,11 @@ class Run(models.Model):
                 fields=["project", "state"],
                 name="run_project_active",
                 condition=Q(state__in=["dispatching", "running"]),
+            ),
+            models.Index(
+                fields=["schedule"],
+                name="run_schedule_active",
+                condition=Q(state__in=["queued", "dispatching", "running"]),
             ),
         ]
 

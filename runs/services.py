@@ -127,8 +127,17 @@ def attempt_spec(*, attempt: Attempt, run: Run, revision: TaskRevision) -> dict[
 
 
 @transaction.atomic
-def run_enqueue(*, task: Task, priority: int = 0, queued_at: datetime | None = None) -> Run:
-    """Enqueue a Run pinned to the Task's current revision, with Attempt #1 pending."""
+def run_enqueue(
+    *,
+    task: Task,
+    priority: int = 0,
+    queued_at: datetime | None = None,
+    schedule_id: int | None = None,
+) -> Run:
+    """Enqueue a Run pinned to the Task's current revision, with Attempt #1 pending.
+
+    `schedule_id`: the Schedule that fired it (its overlap policy looks for it).
+    """
     if task.current_revision_id is None:
         raise DefinitionError(SpecError("task", "has no revision"))
     if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
@@ -140,6 +149,7 @@ def run_enqueue(*, task: Task, priority: int = 0, queued_at: datetime | None = N
         task_revision_id=task.current_revision_id,
         priority=priority,
         queued_at=now,
+        schedule_id=schedule_id,
     )
     Attempt.objects.create(run=run, number=1, priority=priority, queued_at=now)
     return run
