@@ -37,6 +37,7 @@ from leases.errors import (
 from leases.locks import lock_lease_chain
 from leases.models import LeaseState, RunLease
 from leases.transitions import attempt_transition, lease_extend, lease_transition, run_transition
+from output.redaction import redact, redaction_values
 from qinglong.clock import db_now
 from qinglong.metrics import LOST_RACES
 from runs.models import Attempt, AttemptState, Run, RunState
@@ -194,7 +195,9 @@ def lease_ack(
                     now=now,
                     exit_code=exit_code,
                     error_code=error_code[:64],
-                    output_tail=output_tail,
+                    # Stored redacted of the pinned revision's env values, like
+                    # live output (output.redaction; read in by lock_run).
+                    output_tail=redact(output_tail, redaction_values(run.task_revision.env)),
                 )
     except IllegalTransition as err:
         raise LeaseConflict(

@@ -19,6 +19,7 @@ from typing import Final, TypedDict, Unpack
 
 from leases.errors import IllegalTransition, LostRace
 from leases.models import LeaseState, RunLease
+from notifications.services import run_event_emit
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 
 __all__ = [
@@ -134,6 +135,9 @@ def run_transition(run: Run, to_state: RunState, **changes: Unpack[RunChanges]) 
     run.version += 1
     for key, value in changes.items():
         setattr(run, key, value)
+    # Webhooks: the outbox rows of a Run that just ended, in this transaction
+    # (one CAS above = one state change = one delivery per subscription).
+    run_event_emit(run=run)
 
 
 def run_request_cancel(run: Run) -> None:

@@ -86,6 +86,8 @@ INSTALLED_APPS = [
     "workers.apps.WorkersConfig",
     "leases.apps.LeasesConfig",
     "dispatch.apps.DispatchConfig",
+    "output.apps.OutputConfig",
+    "notifications.apps.NotificationsConfig",
     "schedules.apps.SchedulesConfig",
 ]
 
@@ -240,6 +242,27 @@ QINGLONG_PULL_WAIT_MAX_WAITERS = env_int(
 )
 QINGLONG_NOTIFY_REDIS_URL = env_str("QL_NOTIFY_REDIS_URL", "")
 QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, minimum=60)
+
+# --- live output and webhooks (README "Live output", "Webhooks") -------------
+# At most this many bytes of output are kept per Attempt: the newest chunks;
+# older ones are deleted and counted (the truncation marker).
+QINGLONG_OUTPUT_MAX_BYTES = env_int("QL_OUTPUT_MAX_BYTES", 1024 * 1024, minimum=64 * 1024)
+# HMAC key the webhook signing secrets are derived from (one per subscription;
+# the database holds only a random nonce). Derived from SECRET_KEY unless set.
+QINGLONG_WEBHOOK_SECRET = env_str(
+    "QL_WEBHOOK_SECRET",
+    hashlib.sha256(b"qinglong-webhook-secret-v1\x00" + SECRET_KEY.encode()).hexdigest(),
+)
+# Webhook destinations must be public addresses unless this is on (private,
+# loopback, link-local and other non-global addresses; plain http:// only to
+# loopback). On by default only with DEBUG (./scripts/dev).
+QINGLONG_WEBHOOK_ALLOW_PRIVATE = env_bool("QL_WEBHOOK_ALLOW_PRIVATE", DEBUG)
+QINGLONG_WEBHOOK_TIMEOUT_S = env_int("QL_WEBHOOK_TIMEOUT_S", 5, minimum=1)
+QINGLONG_WEBHOOK_MAX_ATTEMPTS = env_int("QL_WEBHOOK_MAX_ATTEMPTS", 8, minimum=1)
+QINGLONG_WEBHOOK_RETENTION_DAYS = env_int("QL_WEBHOOK_RETENTION_DAYS", 14, minimum=1)
+# Base URL for the admin links in webhook payloads (e.g. https://ql.example.com);
+# empty: the links are paths (/admin/runs/run/7/change/).
+QINGLONG_PUBLIC_URL = env_str("QL_PUBLIC_URL", "").rstrip("/")
 # DispatchCycle rows (dispatch.cycles.CycleRecorder): per process, the first
 # cycle of each outcome in a window of this many seconds is written at once,
 # its repeats as one summary row when the window closes.
@@ -295,6 +318,9 @@ REST_FRAMEWORK: dict[str, Any] = {
         "worker_pull": env_str("QL_THROTTLE_WORKER_PULL", "600/min"),
         "worker_heartbeat": env_str("QL_THROTTLE_WORKER_HEARTBEAT", "120/min"),
         "worker_session_open": env_str("QL_THROTTLE_WORKER_SESSION_OPEN", "30/min"),
+        # Live output, per lease (= per Attempt): the reference agent sends at most
+        # one chunk a second (workers/agent/output.py).
+        "worker_output": env_str("QL_THROTTLE_WORKER_OUTPUT", "120/min"),
     },
 }
 for _scope, _rate in REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"].items():

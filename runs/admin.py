@@ -15,7 +15,8 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponseRedirect
+from django.urls import reverse
 
 from leases.end import run_cancel
 from leases.errors import Outcome
@@ -157,12 +158,21 @@ class RunAdmin(ReadOnlyAdmin):
         return _may_enqueue(request)
 
     @admin.action(description="Cancel selected runs", permissions=["cancel_run"])
-    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+    def cancel_runs(
+        self, request: HttpRequest, queryset: QuerySet[Run]
+    ) -> HttpResponseRedirect | None:
         cancelled = 0
         for run in queryset.exclude(state__in=RUN_TERMINAL_STATES):
             if run_cancel(run=run, actor=_actor(request)) is Outcome.APPLIED:
                 cancelled += 1
         self.message_user(request, f"Cancelled {cancelled} run(s).", messages.SUCCESS)
+        # The Run page's cancel button (output.templatetags) posts this action
+        # for its one Run: the operator goes back to that page, not the list.
+        if request.POST.get("_return_to_run"):
+            selected = list(queryset.values_list("pk", flat=True)[:2])
+            if len(selected) == 1:
+                return HttpResponseRedirect(reverse("admin:runs_run_change", args=selected))
+        return None
 
     @admin.action(
         description="Retry failed runs (enqueue a new run of the task's current revision)",

@@ -30,6 +30,7 @@ from leases.locks import lock_worker
 from leases.policy import SWEEP_BATCH, session_is_current
 from leases.renew import leases_renew_for_session
 from leases.selectors import cancelled_offer_ids
+from notifications.services import worker_offline_emit
 from qinglong.clock import db_now
 from workers.models import (
     SESSION_CURRENT_STATES,
@@ -404,9 +405,15 @@ def session_mark_offline_if_stale(*, session_pk: int) -> bool:
     """Offline sweeper step: a CAS that re-checks staleness at write time."""
     now = db_now()
     cutoff = now - timedelta(seconds=settings.QINGLONG_SESSION_TIMEOUT_S)
-    updated = WorkerSession.objects.filter(
-        pk=session_pk, state__in=SESSION_CURRENT_STATES, heartbeat_at__lt=cutoff
-    ).update(state=SessionState.OFFLINE, ended_at=now, end_reason=SessionEndReason.SESSION_OFFLINE)
+    with transaction.atomic(durable=True):
+        updated = WorkerSession.objects.filter(
+            pk=session_pk, state__in=SESSION_CURRENT_STATES, heartbeat_at__lt=cutoff
+        ).update(
+            state=SessionState.OFFLINE, ended_at=now, end_reason=SessionEndReason.SESSION_OFFLINE
+        )
+        if updated == 1:
+            # Webhooks: `worker.offline`, recorded with the state change it reports.
+            worker_offline_emit(session_pk=session_pk)
     if updated != 1:
         return False
     leases_end_for_session(session_pk, reason=SessionEndReason.SESSION_OFFLINE)

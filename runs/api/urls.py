@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from runs.api import views
+from runs.api import output, views
 
 app_name = "operator-api"
 
@@ -16,5 +16,8 @@ urlpatterns = [
     re_path(r"^runs/(?P<run_id>[0-9]{1,18})$", views.RunView.as_view(), name="run"),
     re_path(
         r"^runs/(?P<run_id>[0-9]{1,18})/cancel$", views.RunCancelView.as_view(), name="run-cancel"
+    ),
+    re_path(
+        r"^runs/(?P<run_id>[0-9]{1,18})/output$", output.RunOutputView.as_view(), name="run-output"
     ),
 ]

@@ -32,6 +32,9 @@ from dispatch.core.ports import DispatchScope
 from dispatch.cycles import dispatch_cycle, dispatch_set_paused
 from dispatch.models import DispatchControl
 from leases.models import RunLease
+from notifications.models import WebhookDelivery, WebhookSubscription
+from notifications.services import webhook_test_emit
+from notifications.signing import new_secret_nonce
 from qinglong.testing import (
     claim,
     make_project,
@@ -63,6 +66,7 @@ class World:
     spare_project: Project
     spare_user: User
     spare_group: Group
+    webhook: WebhookSubscription
 
 
 def build_world() -> World:
@@ -85,7 +89,23 @@ def build_world() -> World:
         spare_project=make_project(),
         spare_user=User.objects.create_user("spare", is_staff=True),
         spare_group=Group.objects.create(name="spare"),
+        webhook=_webhook(queued_run.project),
     )
+
+
+def _webhook(project: Project) -> WebhookSubscription:
+    # Made directly, not through the services: a loopback URL that the send
+    # rules refuse (QL_WEBHOOK_ALLOW_PRIVATE is off), so "send test" records a
+    # delivery without any network call.
+    subscription = WebhookSubscription.objects.create(
+        project=project,
+        name="alerts",
+        url="https://127.0.0.1:9/hook",
+        events=["run.failed"],
+        secret_nonce=new_secret_nonce(),
+    )
+    webhook_test_emit(subscription=subscription, actor="test")  # a delivery log row
+    return subscription
 
 
 def _worker_state(w: World) -> object:
@@ -153,6 +173,23 @@ ACTIONS: dict[tuple[str, str], ActionSpec] = {
             .values_list("state", "end_reason", "ended_at")
             .get()
         ),
+    ),
+    ("notifications.webhooksubscription", "send_test"): ActionSpec(
+        "notifications.send_test_webhook",
+        lambda w: [w.webhook.pk],
+        lambda w: WebhookDelivery.objects.filter(subscription=w.webhook).count(),
+    ),
+    ("notifications.webhooksubscription", "rotate_secret"): ActionSpec(
+        "notifications.change_webhooksubscription",
+        lambda w: [w.webhook.pk],
+        lambda w: WebhookSubscription.objects.values_list("secret_nonce", flat=True).get(
+            pk=w.webhook.pk
+        ),
+    ),
+    ("notifications.webhooksubscription", "delete_selected"): ActionSpec(
+        "notifications.delete_webhooksubscription",
+        lambda w: [w.webhook.pk],
+        lambda w: WebhookSubscription.objects.filter(pk=w.webhook.pk).exists(),
     ),
     ("dispatch.dispatchcontrol", "pause_dispatch"): ActionSpec(
         "dispatch.pause_dispatch", lambda w: [1], _switch

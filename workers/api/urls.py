@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from workers.api import views
+from workers.api import output, views
 
 app_name = "worker-api"
 
@@ -13,4 +13,9 @@ urlpatterns = [
     path("heartbeat", views.HeartbeatView.as_view(), name="heartbeat"),
     path("pull", views.PullView.as_view(), name="pull"),
     re_path(r"^leases/(?P<offer_id>[0-9a-f]{64})/ack$", views.AckView.as_view(), name="lease-ack"),
+    re_path(
+        r"^leases/(?P<offer_id>[0-9a-f]{64})/output$",
+        output.OutputView.as_view(),
+        name="lease-output",
+    ),
 ]
