@@ -171,3 +171,35 @@ def test_gunicorn_child_exit_marks_the_worker_dead_in_multiprocess_mode(monkeypa
     conf["child_exit"](None, Worker())
     assert not live.exists()  # its live gauges are gone
     assert kept.exists()  # its counters still count
+
+
+# ------------------------------------------------------------------- cycles
+
+
+def test_every_cycle_counts_its_duration_truncation_and_redeliveries():
+    from dispatch.core.ports import DispatchScope
+    from dispatch.cycles import dispatch_cycle
+    from dispatch.tests.test_cycle_orm import budget, pull, session_scope
+
+    session = open_session(make_worker(slots=4)[0]).session
+    for _ in range(3):
+        make_run()
+    cycles = counter("qinglong_cycle_duration_seconds_count", scope="global")
+    truncated = counter("qinglong_cycle_truncations_total", reason="claim_budget_exhausted")
+    with budget(max_claim_attempts=1):
+        result = dispatch_cycle(scope=DispatchScope.global_())
+    assert (result.truncated, str(result.reason)) == (True, "claim_budget_exhausted")
+    assert counter("qinglong_cycle_duration_seconds_count", scope="global") == cycles + 1
+    assert (
+        counter("qinglong_cycle_truncations_total", reason="claim_budget_exhausted")
+        == truncated + 1
+    )
+    # The Session's pull re-delivers the lease the global cycle claimed for it.
+    redelivered = counter("qinglong_redeliveries_total", scope="session")
+    pulled = dispatch_cycle(scope=session_scope(session), pull=pull())
+    assert pulled.counts.recovered == 1
+    assert counter("qinglong_redeliveries_total", scope="session") == redelivered + 1
+    # Repeats of an outcome are summed into one row later; each still counts now.
+    for _ in range(3):
+        dispatch_cycle(scope=DispatchScope.global_())
+    assert counter("qinglong_cycle_duration_seconds_count", scope="global") == cycles + 4
