@@ -1,7 +1,25 @@
-"""The agent loop: one Session, heartbeats, pulls, one thread per running Attempt."""
+"""The agent: a durable inbox, one Session at a time, and loops that never wait on each other.
+
+docs/adr/0008. Threads:
+
+- main: at start, ends what the journal says may still run from an earlier
+  agent process, opens a Session and reports those executions through the
+  reconcile endpoint; then the pull loop (it pulls only when every offer in
+  hand has had its `starting` answer, and counts offers in hand as taken slots);
+- heartbeat: every `heartbeat_interval_s`, listing the offers held (`held`);
+  obeys `cancel` and `stop`; a 401 anywhere means the Session is gone;
+- one runner per Attempt (`AttemptRunner`): ACKs, spawns its process and
+  outlives it (the child's parent-death signal is bound to this thread),
+  retries its ACKs until answered.
+
+A lost Session ends every process it started (its leases ended with it), and
+the agent opens a new Session and reconciles before it pulls again; nothing of
+the old Session is ever spawned again.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import sys
@@ -9,32 +27,96 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from workers.agent import AGENT_VERSION
+from workers.agent import AGENT_VERSION, procfs
+from workers.agent.journal import (
+    LIVE_PHASES,
+    Execution,
+    Journal,
+    OfferVerdict,
+    Outcome,
+    Phase,
+)
 from workers.agent.protocol import (
+    AGENT_STOPPING,
+    CANCELLED,
+    RETRY_CAP_S,
+    RETRY_INITIAL_S,
+    SESSION_LOST,
+    STOP_GRACE_S,
+    STOPPED,
     AttemptOutcome,
     AttemptRunner,
+    Backoff,
     Response,
     Spawner,
     Transport,
     TransportError,
 )
 
-__all__ = ["Agent", "SessionLost", "log"]
+__all__ = ["Agent", "SessionHandle", "SessionLost", "SessionRefused", "log"]
 
 # The pull endpoint accepts 1..16 offers per request (README "Worker API").
 MAX_OFFERS_PER_PULL = 16
+# The reconcile endpoint takes 1..64 executions per request.
+MAX_RECONCILE_ITEMS = 64
+# The heartbeat's `held` list is capped by the server (a Session has at most
+# 256 slots, so an agent never holds more).
+MAX_HELD = 256
+# Phases whose Attempt the control plane knows as started: a `stop` verdict
+# for an offer still waiting for its `starting` answer is left to that answer.
+_STARTED_PHASES = frozenset({Phase.STARTED, Phase.SPAWNING, Phase.RUNNING, Phase.FINISHED})
 
 
 def log(event: str, **fields: Any) -> None:
     """One JSON line on stderr: ids and states only, never a spec or token."""
-    print(json.dumps({"event": event, **fields}, sort_keys=True), file=sys.stderr, flush=True)
+    # One write per line: threads log concurrently.
+    sys.stderr.write(json.dumps({"event": event, **fields}, sort_keys=True) + "\n")
+    sys.stderr.flush()
 
 
 class SessionLost(Exception):
     """The Session was replaced or went offline (401): open a new one."""
+
+
+class SessionRefused(Exception):
+    """The control plane refused to open a Session (bad credential, disabled Worker)."""
+
+
+class _Unanswered(Exception):
+    """A 5xx or a 429: try again after a pause."""
+
+
+class _Stopping(Exception):
+    """The agent was told to stop while waiting for the control plane."""
+
+
+@dataclass
+class SessionHandle:
+    token: str
+    session_id: str
+    generation: int = 0
+    lost: threading.Event = field(default_factory=threading.Event)
+
+    def __repr__(self) -> str:
+        return f"SessionHandle(session_id={self.session_id!r}, generation={self.generation})"
+
+
+@dataclass
+class Running:
+    runner: AttemptRunner
+    thread: threading.Thread
+    session: SessionHandle
+
+
+@dataclass
+class _PendingPull:
+    session_id: str
+    pull_id: str
+    token: str
 
 
 class Agent:
@@ -46,8 +128,13 @@ class Agent:
         slots: int,
         executor: str,
         spawn: Spawner,
+        journal: Journal | None = None,
         poll_interval_s: float = 1.0,
         long_poll_s: int = 0,
+        stop_grace_s: float = STOP_GRACE_S,
+        retry_initial_s: float = RETRY_INITIAL_S,
+        retry_cap_s: float = RETRY_CAP_S,
+        rng: Callable[[], float] | None = None,
         sleep: Callable[[float], None] | None = None,
     ) -> None:
         self.transport = transport
@@ -55,21 +142,77 @@ class Agent:
         self.slots = slots
         self.executor = executor
         self.spawn = spawn
+        self.journal = journal if journal is not None else Journal.memory()
         self.poll_interval_s = poll_interval_s
         self.long_poll_s = long_poll_s
+        self.stop_grace_s = stop_grace_s
+        self.retry_initial_s = retry_initial_s
+        self.retry_cap_s = retry_cap_s
+        self._rng = rng
+        # Drain: pull nothing more, finish and report what runs, then exit.
         self.stopping = threading.Event()
-        self._sleep = sleep or self.stopping.wait
-        self.session_token = ""
-        self.session_id = ""
+        # Stop now: end every process; the journal keeps what is owed.
+        self.aborting = threading.Event()
+        self._closed = threading.Event()
+        self._sleep = sleep
+        self.session: SessionHandle | None = None
         self.heartbeat_interval_s = 10.0
-        self.runners: dict[str, tuple[AttemptRunner, threading.Thread]] = {}
+        self.runners: dict[str, Running] = {}
         self.outcomes: list[AttemptOutcome] = []
         self._recent_tokens: deque[str] = deque(maxlen=16)
+        self._pending_pull: _PendingPull | None = None
+        self._send_held = True
         self._lock = threading.Lock()
+        # Notified on every change the pull loop waits for (a runner's phase,
+        # a lost Session, stopping).
+        self._changed = threading.Condition(self._lock)
+        self._heartbeat_now = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+
+    def _backoff(self, cap_s: float | None = None) -> Backoff:
+        return Backoff(
+            initial_s=self.retry_initial_s, cap_s=cap_s or self.retry_cap_s, rng=self._rng
+        )
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _wait(self, timeout: float) -> None:
+        """Sleep up to `timeout`, waking early on any change."""
+        if self._sleep is not None:
+            self._sleep(timeout)
+            return
+        with self._changed:
+            self._changed.wait(timeout)
+
+    @property
+    def session_token(self) -> str:
+        return self.session.token if self.session is not None else ""
+
+    # --------------------------------------------------------------- stopping
+
+    def drain(self) -> None:
+        """First SIGTERM/SIGINT: pull nothing more; running Attempts finish and
+        are reported; the next heartbeat (sent at once) says `draining`."""
+        self.stopping.set()
+        self._heartbeat_now.set()
+        self._notify()
+
+    def abort(self) -> None:
+        """Second signal: end every process now (TERM, then KILL after the
+        grace) and exit; the journal keeps what is owed for the next start."""
+        self.aborting.set()
+        self.stopping.set()
+        with self._lock:
+            running = list(self.runners.values())
+        for entry in running:
+            entry.runner.cancel(AGENT_STOPPING)
+        self._notify()
 
     # --------------------------------------------------------------- session
 
-    def open_session(self) -> None:
+    def open_session(self) -> SessionHandle:
         response = self.transport.post(
             "/api/v1/worker/sessions",
             {
@@ -80,99 +223,250 @@ class Agent:
             },
             token=self.credential,
         )
-        if response.status != 201 and response.status != 200:
-            raise RuntimeError(f"session open refused: {response.status} {response.error_code}")
-        self.session_token = str(response.body["session_token"])
-        self.session_id = str(response.body["session_id"])
+        if _unanswered(response.status):
+            raise _Unanswered(response.status)
+        if response.status not in (200, 201):
+            raise SessionRefused(f"{response.status} {response.error_code}")
+        session = SessionHandle(
+            token=str(response.body["session_token"]),
+            session_id=str(response.body["session_id"]),
+            generation=int(response.body.get("generation", 0)),
+        )
         self.heartbeat_interval_s = float(response.body.get("heartbeat_interval_s", 10))
-        log("session_opened", session_id=self.session_id, generation=response.body["generation"])
+        self.session = session
+        self._heartbeat_now.set()
+        log("session_opened", session_id=session.session_id, generation=session.generation)
+        return session
 
-    def _open_session_patiently(self) -> None:
+    def _open_session_patiently(self) -> SessionHandle:
         # The control plane may still be starting (scripts/dev) or restarting.
-        delay = 0.5
+        backoff = self._backoff()
         while True:
+            if self.stopping.is_set():
+                raise _Stopping
             try:
-                self.open_session()
-                return
-            except TransportError as err:
-                log("control_plane_unreachable", error=str(err), retry_in_s=delay)
-                if self.stopping.is_set():
-                    raise
-                self._sleep(delay)
-                delay = min(delay * 2, 10.0)
+                return self.open_session()
+            except (TransportError, _Unanswered) as err:
+                delay = backoff.next()
+                log("control_plane_unreachable", call="session_open", error=str(err))
+                self._pause(delay)
 
-    def _session_call(self, path: str, body: dict[str, Any]) -> Response:
-        response = self.transport.post(path, body, token=self.session_token)
+    def _pause(self, delay: float) -> None:
+        if self._sleep is not None:
+            self._sleep(delay)
+        else:
+            self.aborting.wait(delay)
+        if self.aborting.is_set():
+            raise _Stopping
+
+    def _post(self, session: SessionHandle, path: str, body: Mapping[str, Any]) -> Response:
+        response = self.transport.post(path, body, token=session.token)
         if response.status == 401:
             raise SessionLost(response.error_code)
         return response
 
-    def heartbeat(self) -> None:
-        response = self._session_call(
-            "/api/v1/worker/heartbeat", {"draining": self.stopping.is_set()}
-        )
+    def _session_lost(self, session: SessionHandle, code: str) -> None:
+        """Its leases ended with it: stop every process it started (they are
+        reported through the reconcile under the next Session)."""
+        if not session.lost.is_set():
+            session.lost.set()
+            log("session_lost", session_id=session.session_id, code=code)
+        with self._lock:
+            running = [entry for entry in self.runners.values() if entry.session is session]
+        for entry in running:
+            entry.runner.cancel(SESSION_LOST)
+        self._notify()
+
+    # ------------------------------------------------------------- heartbeat
+
+    def heartbeat(self, session: SessionHandle | None = None) -> None:
+        """One heartbeat with `held`; obeys `cancel` and `stop`."""
+        session = session or self.session
+        assert session is not None
+        executions = self.journal.open_executions(session_id=session.session_id)
+        # What the control plane knows as started when this beat was built:
+        # only those may be stopped by its answer (see _STARTED_PHASES).
+        started = {ex.offer_id for ex in executions if ex.phase in _STARTED_PHASES}
+        body: dict[str, Any] = {"draining": self.stopping.is_set()}
+        if self._send_held:
+            body["held"] = [ex.offer_id for ex in executions][:MAX_HELD]
+        response = self._post(session, "/api/v1/worker/heartbeat", body)
+        if response.status == 400 and "held" in body:
+            # A control plane that predates `held`: renew as before.
+            legacy = self._post(session, "/api/v1/worker/heartbeat", {"draining": body["draining"]})
+            if legacy.status == 200:
+                self._send_held = False
+                log("heartbeat_held_unsupported")
+                response = legacy
+        if _unanswered(response.status):
+            raise _Unanswered(response.status)
         if response.status != 200:
             log("heartbeat_refused", status=response.status, code=response.error_code)
             return
-        for offer_id in response.body.get("cancel", []):
-            entry = self.runners.get(str(offer_id))
+        for offer_id in _ids(response.body.get("cancel")):
+            entry = self.runners.get(offer_id)
             if entry is not None:
-                entry[0].cancel("cancelled")
+                entry.runner.cancel(CANCELLED)
+        for offer_id in _ids(response.body.get("stop")):
+            if offer_id in started:
+                self._stop(offer_id)
+
+    def _stop(self, offer_id: str) -> None:
+        """The control plane no longer counts this Attempt as ours: end it."""
+        entry = self.runners.get(offer_id)
+        log("attempt_stop_requested", offer_id=offer_id)
+        if entry is not None:
+            entry.runner.cancel(STOPPED)
+            return
+        execution = self.journal.get(offer_id)
+        if execution is not None and execution.phase is Phase.FINISHED:
+            # Only a report was owed, and nobody will take it any more.
+            self.journal.mark_reported(offer_id, report="stopped")
+            self._notify()
+
+    def _heartbeat_loop(self) -> None:
+        backoff = self._backoff()
+        current: SessionHandle | None = None
+        next_at = 0.0
+        while not self._closed.is_set():
+            session = self.session
+            if session is None or session.lost.is_set():
+                self._heartbeat_now.wait(0.1)
+                self._heartbeat_now.clear()
+                continue
+            if session is not current:
+                current, next_at = session, 0.0
+                backoff.reset()
+            if self._heartbeat_now.is_set():
+                self._heartbeat_now.clear()
+                next_at = 0.0
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                self._heartbeat_now.wait(delay)
+                continue
+            try:
+                self.heartbeat(session)
+            except SessionLost as err:
+                self._session_lost(session, str(err))
+                continue
+            except (TransportError, _Unanswered) as err:
+                # Missed beats cost the Session after the session timeout:
+                # retry soon, never later than the regular cadence.
+                log("control_plane_unreachable", call="heartbeat", error=str(err))
+                retry = min(backoff.next(), self.heartbeat_interval_s)
+                next_at = time.monotonic() + retry
+                continue
+            except Exception as err:  # noqa: BLE001  (the heartbeat must outlive any bug)
+                log("heartbeat_error", error=type(err).__name__)
+            backoff.reset()
+            next_at = time.monotonic() + self.heartbeat_interval_s
+
+    def _start_heartbeats(self) -> None:
+        if self._heartbeat_thread is None:
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat_loop, name="heartbeat", daemon=True
+            )
+            self._heartbeat_thread.start()
 
     # ------------------------------------------------------------------ pull
 
-    def free_slots(self) -> int:
-        self._reap()
-        return self.slots - len(self.runners)
+    def _occupied(self, session: SessionHandle) -> int:
+        """Offers of this Session in hand, running or owing a report: each
+        holds one of the Session's slots on the control plane too."""
+        return len(self.journal.open_executions(session_id=session.session_id))
 
-    def pull(self) -> int:
-        """One pull for up to the free slots (the API takes at most 16 per pull)."""
-        free = self.free_slots()
+    def free_slots(self) -> int:
+        if self.session is None:
+            return 0
+        return self.slots - self._occupied(self.session)
+
+    def _offers_answered(self) -> bool:
+        """Every offer in hand has had its `starting` answer (so a pull cannot
+        re-deliver one of them)."""
+        with self._lock:
+            return all(entry.runner.starting_answered.is_set() for entry in self.runners.values())
+
+    def pull(self, session: SessionHandle | None = None) -> int:
+        """One pull for up to the free slots; returns how many new offers started."""
+        session = session or self.session
+        assert session is not None
+        free = self.slots - self._occupied(session)
         if free <= 0:
             return 0
-        pull_token = secrets.token_urlsafe(32)
+        pending = self._pending_pull
+        if pending is None or pending.session_id != session.session_id:
+            # Kept until answered: after a lost response, the same pull_id and
+            # token rebuild the same answer (docs/adr/0003).
+            pending = _PendingPull(session.session_id, str(uuid.uuid4()), secrets.token_urlsafe(32))
+            self._pending_pull = pending
+            self._recent_tokens.append(pending.token)
         body: dict[str, Any] = {
-            "pull_id": str(uuid.uuid4()),
-            "lease_token": pull_token,
+            "pull_id": pending.pull_id,
+            "lease_token": pending.token,
             "max_offers": min(free, MAX_OFFERS_PER_PULL),
         }
-        self._recent_tokens.append(pull_token)
         path = "/api/v1/worker/pull"
-        # A long poll (cluster) never outlasts half a heartbeat interval: the
-        # same loop keeps the Session alive.
+        # A long poll (cluster) never outlasts half a heartbeat interval.
         wait_s = min(self.long_poll_s, int(self.heartbeat_interval_s // 2))
         if wait_s > 0:
             path += f"?wait_s={wait_s}"
-        try:
-            response = self._session_call(path, body)
-        except TransportError:
-            # The response may be lost after the claim committed: replaying the
-            # same pull_id + token rebuilds the same answer (docs/adr/0003).
-            response = self._session_call(path, body)
+        response = self._post(session, path, body)
+        if _unanswered(response.status):
+            raise _Unanswered(response.status)
+        self._pending_pull = None
         if response.status != 200:
             log("pull_refused", status=response.status, code=response.error_code)
             return 0
-        offers = response.body.get("offers", [])
-        for offer in offers:
-            self._start(offer, pull_token=pull_token)
-        return len(offers)
+        offers = response.body.get("offers")
+        started = 0
+        for offer in offers if isinstance(offers, list) else []:
+            if isinstance(offer, Mapping):
+                started += self._accept(offer, pull_token=pending.token, session=session)
+        return started
 
-    def _start(self, offer: dict[str, Any], *, pull_token: str) -> None:
-        offer_id = str(offer["offer_id"])
-        if offer_id in self.runners:
-            return  # already running it (a re-delivery of our own lease)
-        lease = offer.get("lease") or {}
-        token = lease.get("token") or pull_token
+    def _accept(self, offer: Mapping[str, Any], *, pull_token: str, session: SessionHandle) -> int:
+        """Journal the offer first; start a runner for a new one."""
+        offer_id = offer.get("offer_id")
+        if not isinstance(offer_id, str) or not offer_id:
+            log("offer_malformed")
+            return 0
+        lease = offer.get("lease")
+        token = lease.get("token") if isinstance(lease, Mapping) else None
+        token = token if isinstance(token, str) and token else pull_token
+        digest = offer.get("spec_sha256")
+        verdict = self.journal.record_offer(
+            offer_id=offer_id,
+            spec_sha256=digest if isinstance(digest, str) else "",
+            lease_token=token,
+            session_id=session.session_id,
+        )
+        if verdict is OfferVerdict.DUPLICATE:
+            return 0  # in hand, running or done already: never twice
+        if verdict is OfferVerdict.CONFLICT:
+            self._refuse_conflict(offer, token=token, session=session)
+            return 0
         runner = AttemptRunner(
             transport=self.transport,
-            session_token=self.session_token,
+            session_token=session.token,
             offer=offer,
             lease_token=token,
             spawn=self.spawn,
             fallback_tokens=list(reversed(self._recent_tokens)),
+            journal=self.journal,
+            stop_grace_s=self.stop_grace_s,
+            retry_initial_s=self.retry_initial_s,
+            retry_cap_s=self.retry_cap_s,
+            rng=self._rng,
+            on_change=self._notify,
+            on_session_lost=lambda: self._session_lost(session, "ack_unauthorized"),
         )
-        thread = threading.Thread(target=self._run, args=(runner,), name=f"attempt-{offer_id[:8]}")
-        self.runners[offer_id] = (runner, thread)
+        # Not a daemon: the child's parent-death signal is bound to this
+        # thread, which lives as long as the child (it waits for its exit).
+        thread = threading.Thread(
+            target=self._run_attempt, args=(runner,), name=f"attempt-{offer_id[:8]}"
+        )
+        with self._lock:
+            self.runners[offer_id] = Running(runner, thread, session)
         log(
             "offer_received",
             offer_id=offer_id,
@@ -181,16 +475,41 @@ class Agent:
             source=offer.get("source"),
         )
         thread.start()
+        return 1
 
-    def _run(self, runner: AttemptRunner) -> None:
+    def _refuse_conflict(
+        self, offer: Mapping[str, Any], *, token: str, session: SessionHandle
+    ) -> None:
+        """The same offer id with another spec digest: never run it; tell the
+        control plane once (start_failed), whatever it answers."""
+        offer_id = str(offer["offer_id"])
+        log("offer_refused", offer_id=offer_id, reason="spec_digest_conflict")
+        body = {
+            "phase": "start_failed",
+            "lease_token": token,
+            "spec_sha256": str(offer.get("spec_sha256", "")),
+            "error_code": "spec_digest_conflict",
+        }
+
+        def send() -> None:
+            # A courtesy: the offer is refused either way.
+            with contextlib.suppress(TransportError):
+                self.transport.post(
+                    f"/api/v1/worker/leases/{offer_id}/ack", body, token=session.token
+                )
+
+        threading.Thread(target=send, name="refuse", daemon=True).start()
+
+    def _run_attempt(self, runner: AttemptRunner) -> None:
         try:
             outcome = runner.run()
-        except TransportError as err:
-            outcome = AttemptOutcome(
-                runner.offer_id, ran=False, final_phase=None, stopped=f"transport:{err}"
-            )
+        except Exception as err:  # noqa: BLE001  (logged; the journal keeps the rest)
+            log("attempt_error", offer_id=runner.offer_id, error=type(err).__name__)
+            outcome = AttemptOutcome(runner.offer_id, ran=False, final_phase=None, stopped="error")
         with self._lock:
             self.outcomes.append(outcome)
+            self.runners.pop(runner.offer_id, None)
+            self._changed.notify_all()
         log(
             "attempt_done",
             offer_id=outcome.offer_id,
@@ -198,45 +517,202 @@ class Agent:
             phase=outcome.final_phase,
             exit_code=outcome.exit_code,
             stopped=outcome.stopped,
+            report=outcome.report,
         )
 
-    def _reap(self) -> None:
-        for offer_id, (_, thread) in list(self.runners.items()):
-            if not thread.is_alive():
-                thread.join()
-                del self.runners[offer_id]
+    def _busy(self) -> bool:
+        with self._lock:
+            return bool(self.runners)
+
+    def _join_runners(self, session: SessionHandle | None = None) -> None:
+        with self._lock:
+            threads = [
+                entry.thread
+                for entry in self.runners.values()
+                if session is None or entry.session is session
+            ]
+        for thread in threads:
+            thread.join()
+
+    # ------------------------------------------------------------- reconcile
+
+    def end_orphans(self) -> None:
+        """At start, before any Session: end whatever an earlier agent process
+        left running (TERM, then KILL after the grace), and record it."""
+        for execution in self.journal.open_executions():
+            self._settle_locally(execution)
+
+    def _settle_locally(self, execution: Execution) -> None:
+        if execution.phase in LIVE_PHASES:
+            killed = procfs.end_execution(
+                offer_id=execution.offer_id,
+                pid=execution.pid,
+                start_time=execution.start_time,
+                pgid=execution.pgid,
+                grace_s=self.stop_grace_s,
+            )
+            log("orphan_ended" if killed else "orphan_gone", offer_id=execution.offer_id)
+            self.journal.mark_finished(
+                execution.offer_id, outcome=Outcome.KILLED if killed else Outcome.EXITED,
+                exit_code=None,
+            )  # fmt: skip
+        elif execution.phase in (Phase.RECEIVED, Phase.STARTED):
+            # No spawning barrier: nothing of it ever ran.
+            self.journal.mark_finished(
+                execution.offer_id, outcome=Outcome.NOT_STARTED, exit_code=None
+            )
+
+    def reconcile(self, session: SessionHandle | None = None) -> None:
+        """Report every execution of an earlier Session (retried until answered)."""
+        session = session or self.session
+        assert session is not None
+        with self._lock:
+            busy = set(self.runners)
+        items: list[dict[str, Any]] = []
+        for execution in self.journal.open_executions():
+            if execution.session_id == session.session_id or execution.offer_id in busy:
+                continue
+            self._settle_locally(execution)
+            settled = self.journal.get(execution.offer_id)
+            if settled is None or settled.phase is not Phase.FINISHED:
+                continue
+            if not settled.lease_token:
+                self.journal.mark_reported(settled.offer_id, report="no_token")
+                continue
+            items.append(
+                {
+                    "offer_id": settled.offer_id,
+                    "lease_token": settled.lease_token,
+                    "outcome": str(settled.outcome or Outcome.EXITED),
+                    "exit_code": settled.exit_code,
+                }
+            )
+        for start in range(0, len(items), MAX_RECONCILE_ITEMS):
+            self._reconcile_batch(session, items[start : start + MAX_RECONCILE_ITEMS])
+        self._notify()
+
+    def _reconcile_batch(self, session: SessionHandle, batch: list[dict[str, Any]]) -> None:
+        backoff = self._backoff()
+        while True:
+            try:
+                response = self._post(session, "/api/v1/worker/reconcile", {"executions": batch})
+            except TransportError as err:
+                log("control_plane_unreachable", call="reconcile", error=str(err))
+                self._pause(backoff.next())
+                continue
+            if _unanswered(response.status):
+                self._pause(backoff.next())
+                continue
+            break
+        statuses: dict[str, str] = {}
+        if response.status == 200:
+            results = response.body.get("results")
+            for result in results if isinstance(results, list) else []:
+                if isinstance(result, Mapping):
+                    statuses[str(result.get("offer_id"))] = str(result.get("status"))
+            default = "missing"
+        elif response.status in (404, 405):
+            default = "unsupported"  # a control plane without the endpoint
+        else:
+            log("reconcile_refused", status=response.status, code=response.error_code)
+            default = "refused"
+        for item in batch:
+            offer_id = str(item["offer_id"])
+            status = statuses.get(offer_id, default)
+            self.journal.mark_reported(offer_id, report=f"reconciled:{status}")
+            log(
+                "execution_reconciled",
+                offer_id=offer_id,
+                outcome=item["outcome"],
+                exit_code=item["exit_code"],
+                status=status,
+            )
+
+    def _connect(self) -> SessionHandle:
+        """Open a Session, start heartbeating, reconcile: ready to pull."""
+        while True:
+            session = self._open_session_patiently()
+            self._start_heartbeats()
+            try:
+                self.reconcile(session)
+            except SessionLost as err:
+                self._session_lost(session, str(err))
+                continue
+            return session
 
     # ------------------------------------------------------------------ loop
 
     def run(self, *, once: bool = False) -> int:
         """Serve until stopped; `once`: one pull, run its offers, exit."""
-        self._open_session_patiently()
-        next_heartbeat = 0.0
+        self.journal.purge()
+        self.end_orphans()
+        try:
+            session = self._connect()
+        except _Stopping:
+            self._closed.set()
+            return 0
+        except SessionRefused as err:
+            log("session_refused", error=str(err))
+            self._closed.set()
+            return 2
+        backoff = self._backoff()
+        next_pull = 0.0
         pulled = False
-        while True:
-            try:
-                if time.monotonic() >= next_heartbeat:
-                    self.heartbeat()
-                    next_heartbeat = time.monotonic() + self.heartbeat_interval_s
-                if once and pulled:
-                    if self.free_slots() == self.slots:
-                        return 0
-                elif not self.stopping.is_set():
-                    got = self.pull()
-                    pulled = True
-                    if got:
-                        continue
-                elif self.free_slots() == self.slots:
-                    return 0
-            except SessionLost as err:
-                log("session_lost", code=str(err))
-                # Our leases ended with the Session; running Attempts get 409s
-                # and stop. A fresh Session takes the next generation.
-                for runner, _ in self.runners.values():
-                    runner.cancel("session_lost")
-                self._open_session_patiently()
-                next_heartbeat = 0.0
-                continue
-            except TransportError as err:
-                log("control_plane_unreachable", error=str(err))
-            self._sleep(self.poll_interval_s if not once else 0.2)
+        try:
+            while True:
+                if self.aborting.is_set():
+                    break
+                if session.lost.is_set():
+                    # Its processes are being ended by their runners.
+                    self._join_runners(session)
+                    if self.stopping.is_set() or once:
+                        break
+                    session = self._connect()
+                    next_pull = 0.0
+                    continue
+                if self.stopping.is_set() or (once and pulled):
+                    if not self._busy():
+                        break
+                    self._wait(0.5)
+                    continue
+                now = time.monotonic()
+                if not self._offers_answered():
+                    # ACK `starting` (or refuse) what is in hand before pulling
+                    # more: a pull now would only deliver those offers again.
+                    self._wait(0.05)
+                    continue
+                if now < next_pull:
+                    self._wait(min(next_pull - now, 0.5))
+                    continue
+                try:
+                    got = self.pull(session)
+                except SessionLost as err:
+                    self._session_lost(session, str(err))
+                    continue
+                except (TransportError, _Unanswered) as err:
+                    # Back after an outage within the (capped, jittered) backoff.
+                    delay = backoff.next()
+                    log("control_plane_unreachable", call="pull", error=str(err), retry_in_s=delay)
+                    next_pull = time.monotonic() + delay
+                    continue
+                pulled = True
+                backoff.reset()
+                next_pull = time.monotonic() + (0.0 if got else self.poll_interval_s)
+        except _Stopping:
+            pass
+        finally:
+            if self.aborting.is_set():
+                self.abort()
+            self._join_runners()
+            self._closed.set()
+            self._heartbeat_now.set()
+        return 0
+
+
+def _unanswered(status: int) -> bool:
+    """No answer worth acting on: a 5xx or a 429 (try again later)."""
+    return status >= 500 or status == 429
+
+
+def _ids(value: object) -> list[str]:
+    return [str(item) for item in value] if isinstance(value, list) else []

@@ -1,47 +1,178 @@
-"""The `process` executor: the spec's argv as a local subprocess."""
+"""The `process` executor: the spec's argv as a local subprocess.
+
+Each Attempt's process is a `LocalProcess`: it owns the child (its own session
+and process group), the child's output file and its identity (pid, start time,
+process group) for the journal. The child carries the `QL_OFFER_ID` marker and,
+on Linux, dies with the agent's runner thread (PR_SET_PDEATHSIG) — a courtesy:
+the journal's reconcile at start is what guarantees no orphan outlives a
+restart (docs/adr/0008).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from workers.agent import procfs
 from workers.agent.protocol import SpecRefused, clean_output_tail
 
-__all__ = ["LocalProcess", "ProcessSpawner", "resolve_cwd"]
+__all__ = ["LocalProcess", "ProcessSpawner", "parent_death_signal", "resolve_cwd"]
 
 # The child gets the spec's env over a minimal base, never the agent's whole
 # environment (which may hold the agent's own secrets).
 _BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "SYSTEMROOT")
+_PR_SET_PDEATHSIG = 1
+
+
+def parent_death_signal() -> Callable[[], None] | None:
+    """A preexec function that asks Linux to SIGKILL the child when the thread
+    that spawned it dies (with the agent), or None where there is no such thing.
+
+    PR_SET_PDEATHSIG fires on the exit of the spawning THREAD, not the process:
+    the runner thread that spawns a child outlives it (it waits for the exit).
+    Everything the function uses is bound here, in the parent: between fork and
+    exec the child may only make the system calls.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    agent_pid = os.getpid()
+    getppid, kill, getpid, sigkill = os.getppid, os.kill, os.getpid, signal.SIGKILL
+
+    def _die_with_the_agent() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if getppid() != agent_pid:
+            # The agent died between the fork and the prctl: no signal will come.
+            kill(getpid(), sigkill)
+
+    return _die_with_the_agent
+
+
+def _exit_status(result: os.waitid_result) -> int:
+    """Popen's convention: the exit code, or -N for a death by signal N."""
+    if result.si_code == os.CLD_EXITED:
+        return int(result.si_status)
+    return -int(result.si_status)
 
 
 class LocalProcess:
-    def __init__(self, popen: subprocess.Popen[bytes], output: IO[bytes]) -> None:
+    """One Attempt's child process, its process group and its output file."""
+
+    def __init__(
+        self, popen: subprocess.Popen[bytes], output: IO[bytes], *, offer_id: str = ""
+    ) -> None:
         self._popen = popen
         self._output = output
+        self.offer_id = offer_id
         self.pid = popen.pid
+        self.pgid = popen.pid  # start_new_session: the child leads its own group
+        # Read before anything reaps the child, so the pid still names it.
+        info = procfs.proc_info(popen.pid)
+        self.start_time = info.start_time if info is not None else None
+        self._exit_code: int | None = None
+
+    @property
+    def output_file(self) -> IO[bytes]:
+        """The output file (stdout and stderr), for whoever streams it."""
+        return self._output
+
+    def read_output(self, offset: int, limit: int) -> bytes:
+        """Up to `limit` bytes of output from `offset`, safe beside the writer
+        and other readers (pread moves no file position); b"" once closed."""
+        try:
+            return os.pread(self._output.fileno(), limit, offset)
+        except (OSError, ValueError):  # ValueError: the file is closed
+            return b""
+
+    def output_size(self) -> int:
+        try:
+            return os.fstat(self._output.fileno()).st_size
+        except (OSError, ValueError):
+            return 0
 
     def poll(self) -> int | None:
-        return self._popen.poll()
+        """The exit code once the main process exited — without reaping it.
+
+        Unreaped, its pid (and so its process group id) cannot be handed out
+        again, so signalling the group stays safe until `release`.
+        """
+        if self._exit_code is None:
+            if hasattr(os, "waitid"):
+                try:
+                    found = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:
+                    found = None
+                    self._exit_code = self._popen.poll()
+                if found is not None:
+                    self._exit_code = _exit_status(found)
+            else:
+                self._exit_code = self._popen.poll()
+        return self._exit_code
 
     def wait(self, timeout: float | None = None) -> int:
-        return self._popen.wait(timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                return code
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self._popen.args, timeout or 0.0)
+            time.sleep(0.01)
 
     def _signal_group(self, signum: int) -> None:
-        # The child leads its own process group: stop what it spawned too.
+        # The child leads its own process group: stop what it spawned too. Safe
+        # while the leader is unreaped (its pid, the group id, is not reused).
+        if self._popen.returncode is not None:
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._popen.pid, signum)
+            os.killpg(self.pgid, signum)
 
     def terminate(self) -> None:
         self._signal_group(signal.SIGTERM)
 
     def kill(self) -> None:
         self._signal_group(signal.SIGKILL)
+
+    def release(self, grace_s: float) -> int:
+        """After the main process exited: end what it left in its process
+        group (TERM, then KILL after `grace_s`), then reap it.
+
+        A job's leftovers would otherwise run on after its outcome is reported
+        (and beside a retry of its Run) with no lease behind them.
+        """
+        code = self.wait()
+        if procfs.procfs_available() and self._leftovers():
+            self._signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and self._leftovers():
+                time.sleep(0.05)
+            if self._leftovers():
+                self._signal_group(signal.SIGKILL)
+                # SIGKILL cannot be refused, but lands asynchronously.
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and self._leftovers():
+                    time.sleep(0.01)
+        self._popen.wait()
+        return code
+
+    def _leftovers(self) -> bool:
+        return procfs.group_members_alive(self.pgid, exclude=(self.pid,))
+
+    def close(self) -> None:
+        """Done with it: the output file goes (idempotent)."""
+        self._output.close()
 
     def output_tail(self, limit: int) -> str:
         """The newest stdout+stderr that fits `limit` (its escaped size on the
@@ -52,7 +183,6 @@ class LocalProcess:
         # last `limit` bytes of the file hold all that can fit.
         self._output.seek(max(0, size - limit))
         data = self._output.read(limit)
-        self._output.close()
         # Invalid UTF-8 and NUL bytes become U+FFFD (the control plane stores
         # text, and PostgreSQL text refuses NUL); quotes, backslashes and
         # control characters count as their JSON escapes, so the text is
@@ -86,14 +216,20 @@ def resolve_cwd(workdir: Path, cwd: object) -> Path:
 class ProcessSpawner:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
+        self._preexec = parent_death_signal()
 
-    def __call__(self, spec: Mapping[str, Any]) -> LocalProcess:
+    def __call__(self, spec: Mapping[str, Any], *, offer_id: str = "") -> LocalProcess:
         command = [str(part) for part in spec["command"]]
         cwd = resolve_cwd(self.workdir, spec.get("cwd"))
         env = {key: os.environ[key] for key in _BASE_ENV if key in os.environ}
         env.update({str(k): str(v) for k, v in dict(spec.get("env") or {}).items()})
-        output = tempfile.TemporaryFile()  # noqa: SIM115  (closed by output_tail)
+        if offer_id:
+            # Last, over the spec's env: how a restarted agent finds this
+            # execution's processes (procfs), whatever became of their pids.
+            env[procfs.MARKER_ENV] = offer_id
+        output = tempfile.TemporaryFile()  # noqa: SIM115  (closed by LocalProcess.close)
         try:
+            # preexec_fn: one prctl call, see parent_death_signal.
             popen = subprocess.Popen(
                 command,
                 cwd=cwd,
@@ -102,9 +238,14 @@ class ProcessSpawner:
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=self._preexec,
             )
         except (OSError, ValueError):
             # ValueError: what exec refuses before trying (a NUL in argv or env).
             output.close()
             raise
-        return LocalProcess(popen, output)
+        except subprocess.SubprocessError as err:
+            # The preexec function failed in the child: nothing was executed.
+            output.close()
+            raise OSError(str(err)) from None
+        return LocalProcess(popen, output, offer_id=offer_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import threading
 import time
@@ -15,11 +16,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from workers.agent.journal import Journal, Outcome, Phase
+
 __all__ = [
     "MAX_OUTPUT_TAIL_BYTES",
+    "Abandoned",
     "AckRejected",
     "AttemptOutcome",
     "AttemptRunner",
+    "Backoff",
     "Process",
     "Response",
     "Spawner",
@@ -108,17 +113,24 @@ class Transport(Protocol):
 
 
 class Process(Protocol):
+    """One Attempt's process: `poll`/`wait` see the main process exit without
+    reaping it; `release` ends what is left of its process group and reaps."""
+
     pid: int
+    pgid: int
+    start_time: int | None  # /proc/<pid>/stat field 22; None where unknown
 
     def wait(self, timeout: float | None = None) -> int: ...
     def terminate(self) -> None: ...
     def kill(self) -> None: ...
     def poll(self) -> int | None: ...
+    def release(self, grace_s: float) -> int: ...
     def output_tail(self, limit: int) -> str: ...
+    def close(self) -> None: ...
 
 
 class Spawner(Protocol):
-    def __call__(self, spec: Mapping[str, Any]) -> Process: ...
+    def __call__(self, spec: Mapping[str, Any], *, offer_id: str = "") -> Process: ...
 
 
 def canonical_json(spec: Mapping[str, Any]) -> bytes:
@@ -150,9 +162,41 @@ class SpecRefused(Exception):
         self.code = code
 
 
-# Pauses before the terminal ACK is sent again after a 5xx, a 429 or a
-# transport error: four tries over about 7 seconds.
-TERMINAL_ACK_RETRY_DELAYS_S = (1.0, 2.0, 4.0)
+# Pauses between tries of a request the control plane did not answer (a
+# transport error, a 5xx, a 429): exponential from RETRY_INITIAL_S, capped at
+# RETRY_CAP_S, each with jitter, for as long as it takes (docs/adr/0008).
+RETRY_INITIAL_S = 0.5
+RETRY_CAP_S = 10.0
+# How long a process group gets between SIGTERM and SIGKILL.
+STOP_GRACE_S = 5.0
+
+
+class Backoff:
+    """Exponential backoff with "equal jitter": half the step fixed, half random.
+
+    The fixed half keeps a crowd of agents from hammering a control plane that
+    just came back; the random half spreads them out.
+    """
+
+    def __init__(
+        self,
+        *,
+        initial_s: float = RETRY_INITIAL_S,
+        cap_s: float = RETRY_CAP_S,
+        rng: Callable[[], float] | None = None,
+    ) -> None:
+        self.initial_s = initial_s
+        self.cap_s = cap_s
+        self._rng = rng or random.random
+        self._tries = 0
+
+    def next(self) -> float:
+        step = min(self.cap_s, self.initial_s * 2.0 ** min(self._tries, 30))
+        self._tries += 1
+        return step / 2 + self._rng() * step / 2
+
+    def reset(self) -> None:
+        self._tries = 0
 
 
 def _transient(status: int) -> bool:
@@ -161,7 +205,7 @@ def _transient(status: int) -> bool:
 
 def _body_refused(status: int) -> bool:
     """A 4xx about the request itself: worth a smaller body (409: the lease is gone)."""
-    return 400 <= status < 500 and status not in (409, 429)
+    return 400 <= status < 500 and status not in (401, 409, 429)
 
 
 class AckRejected(Exception):
@@ -173,6 +217,20 @@ class AckRejected(Exception):
         self.response = response
 
 
+class Abandoned(Exception):
+    """Nothing more is sent under this Session: it is gone (401), or the agent
+    is stopping. What is owed stays in the journal for the reconcile."""
+
+
+# Why an Attempt's process is stopped early. Those that also end all talk
+# under the Session; the outcome goes through the reconcile endpoint instead.
+SESSION_LOST = "session_lost"
+AGENT_STOPPING = "agent_stopping"
+ABANDON_REASONS = frozenset({SESSION_LOST, AGENT_STOPPING})
+CANCELLED = "cancelled"  # the Run was cancelled: reported as failed/cancelled
+STOPPED = "stopped"  # the heartbeat said stop (the lease is no longer ours)
+
+
 @dataclass
 class AttemptOutcome:
     offer_id: str
@@ -181,10 +239,17 @@ class AttemptOutcome:
     exit_code: int | None = None
     stopped: str = ""  # why the agent stopped early ("", "cancelled", "conflict", …)
     acks: list[str] = field(default_factory=list)
+    report: str = ""  # how the control plane learned the outcome ("" = still owed)
 
 
 class AttemptRunner:
-    """Runs one offer: verify → ACK starting → spawn → ACK running → wait → ACK outcome."""
+    """Runs one offer: verify → ACK starting → spawn → ACK running → wait → ACK outcome.
+
+    Each step is journaled before the agent acts on it (docs/adr/0008), and
+    every ACK the control plane does not answer is sent again with backoff
+    until it answers (a 409 is an answer: stop, never resend) or the Session
+    is gone, whatever the outage costs.
+    """
 
     def __init__(
         self,
@@ -198,6 +263,13 @@ class AttemptRunner:
         poll_interval_s: float = 0.2,
         clock: Callable[[], float] | None = None,
         sleep: Callable[[float], None] | None = None,
+        journal: Journal | None = None,
+        stop_grace_s: float = STOP_GRACE_S,
+        retry_initial_s: float = RETRY_INITIAL_S,
+        retry_cap_s: float = RETRY_CAP_S,
+        rng: Callable[[], float] | None = None,
+        on_change: Callable[[], None] | None = None,
+        on_session_lost: Callable[[], None] | None = None,
     ) -> None:
         self.transport = transport
         self.session_token = session_token
@@ -210,45 +282,95 @@ class AttemptRunner:
         self.spawn = spawn
         self.poll_interval_s = poll_interval_s
         self.clock = clock or time.monotonic
-        self._sleep = sleep or time.sleep
-        # Set by the heartbeat loop on a cancel verdict, or by any 409.
+        self._sleep = sleep
+        # Without a journal (tests, embedding) the records go nowhere.
+        self.journal = journal if journal is not None else Journal.memory()
+        self.stop_grace_s = stop_grace_s
+        self._retry = (retry_initial_s, retry_cap_s, rng)
+        self._on_change = on_change
+        self._on_session_lost = on_session_lost
+        # Set by the heartbeat loop on a cancel or stop verdict, by any 409,
+        # by a lost Session or by the agent stopping.
         self.stop = threading.Event()
         self.stop_reason = ""
+        # Set when nothing more may be sent under this Session.
+        self.abandoned = threading.Event()
+        self.abandon_reason = ""
+        # Set once the starting ACK is answered (or will never be sent): the
+        # agent pulls for more only when every offer in hand has its answer.
+        self.starting_answered = threading.Event()
         self.timed_out = False
+        self.phase = Phase.RECEIVED
+        self._stopped_by_agent = False
+        self._running_acked = False
+
+    # ------------------------------------------------------------ control
 
     def cancel(self, reason: str) -> None:
+        """Stop the process (and, for a lost Session or a stopping agent,
+        stop talking to the control plane too)."""
         self.stop_reason = self.stop_reason or reason
+        if reason in ABANDON_REASONS:
+            self.abandon_reason = self.abandon_reason or reason
+            self.abandoned.set()
         self.stop.set()
 
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
+
+    def _set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        self._changed()
+
+    def _pause(self, delay: float) -> None:
+        if self._sleep is not None:
+            self._sleep(delay)
+        else:
+            self.abandoned.wait(delay)
+        if self.abandoned.is_set():
+            raise Abandoned(self.abandon_reason)
+
+    def _backoff(self) -> Backoff:
+        initial, cap, rng = self._retry
+        return Backoff(initial_s=initial, cap_s=cap, rng=rng)
+
+    # ------------------------------------------------------------ requests
+
     def _post_ack(self, phase: str, extra: Mapping[str, Any]) -> Response:
+        if self.abandoned.is_set():
+            raise Abandoned(self.abandon_reason)
         body = {
             "phase": phase,
             "lease_token": self.lease_token,
             "spec_sha256": self.offer["spec_sha256"],
             **extra,
         }
-        return self.transport.post(
+        response = self.transport.post(
             f"/api/v1/worker/leases/{self.offer_id}/ack", body, token=self.session_token
         )
+        if response.status == 401:
+            # The Session is gone: its leases ended with it. The agent opens a
+            # new one and reports this execution through the reconcile.
+            self.cancel(SESSION_LOST)
+            if self._on_session_lost is not None:
+                self._on_session_lost()
+            raise Abandoned(SESSION_LOST)
+        return response
 
     def _accepted(self, phase: str, response: Response) -> Response:
         if response.status != 200:
             raise AckRejected(phase, response)
         if response.body.get("cancel_requested"):
-            self.cancel("cancelled")
+            self.cancel(CANCELLED)
         return response
 
-    def _ack(self, phase: str, **extra: Any) -> Response:
-        return self._accepted(phase, self._post_ack(phase, extra))
-
-    def _post_patiently(self, phase: str, extra: Mapping[str, Any]) -> Response:
-        """One terminal ACK body, sent again after a pause on 5xx, 429 or a
-        transport error (the same phase twice is a no-op on the server).
-
-        Bounded: a control plane that stays away longer is issue 10's job (a
-        journal replayed later); here the last error goes back to the caller.
-        """
-        for delay in TERMINAL_ACK_RETRY_DELAYS_S:
+    def _post_until_answered(self, phase: str, extra: Mapping[str, Any]) -> Response:
+        """One ACK body, sent again after a pause on a transport error, a 5xx
+        or a 429 (the same phase twice is a no-op on the server) until the
+        control plane answers; Abandoned if the Session goes or the agent stops."""
+        backoff = self._backoff()
+        while True:
             try:
                 response = self._post_ack(phase, extra)
             except TransportError:
@@ -256,8 +378,7 @@ class AttemptRunner:
             else:
                 if not _transient(response.status):
                     return response
-            self._sleep(delay)
-        return self._post_ack(phase, extra)
+            self._pause(backoff.next())
 
     def _ack_final(self, phase: str, **extra: Any) -> Response:
         """A terminal ACK: a finished process is always reported.
@@ -280,27 +401,62 @@ class AttemptRunner:
             if body != bodies[-1]:
                 bodies.append(body)
         for body in bodies[:-1]:
-            response = self._post_patiently(phase, body)
+            response = self._post_until_answered(phase, body)
             if not _body_refused(response.status):
                 return self._accepted(phase, response)
-        return self._accepted(phase, self._post_patiently(phase, bodies[-1]))
+        return self._accepted(phase, self._post_until_answered(phase, bodies[-1]))
 
     def _ack_starting(self) -> None:
         candidates = [self.lease_token, *self.fallback_tokens]
         for index, token in enumerate(candidates):
             self.lease_token = token
-            try:
-                self._ack("starting")
+            response = self._post_until_answered("starting", {})
+            if response.status == 200:
+                if index:
+                    # The reconcile after a crash needs the token that works.
+                    self.journal.set_lease_token(self.offer_id, token)
+                self._accepted("starting", response)
                 return
-            except AckRejected as err:
-                wrong_token = err.response.error_code == "lease_token_invalid"
-                if not wrong_token or index == len(candidates) - 1:
-                    raise
+            wrong_token = response.error_code == "lease_token_invalid"
+            if not wrong_token or index == len(candidates) - 1:
+                raise AckRejected("starting", response)
+
+    # ------------------------------------------------------------ journal
+
+    def _finish(self, outcome: Outcome, exit_code: int | None = None) -> None:
+        self.journal.mark_finished(self.offer_id, outcome=outcome, exit_code=exit_code)
+        self._set_phase(Phase.FINISHED)
+
+    def _settle(self, outcome: AttemptOutcome, report: str) -> AttemptOutcome:
+        self.journal.mark_reported(self.offer_id, report=report)
+        outcome.report = report
+        self._set_phase(Phase.REPORTED)
+        return outcome
+
+    def _settle_refusal(self, outcome: AttemptOutcome, response: Response) -> AttemptOutcome:
+        # A 409: the lease is gone, never resend. Any other answer that is not
+        # a success will not change by resending the same thing either.
+        return self._settle(outcome, "conflict" if response.status == 409 else "refused")
+
+    # ------------------------------------------------------------ the Attempt
 
     def run(self) -> AttemptOutcome:
         outcome = AttemptOutcome(offer_id=self.offer_id, ran=False, final_phase=None)
+        try:
+            return self._run(outcome)
+        except Abandoned:
+            # The journal keeps what is owed; the reconcile reports it.
+            outcome.stopped = self.abandon_reason or self.stop_reason
+            return outcome
+        finally:
+            self.starting_answered.set()
+            self._changed()
+
+    def _run(self, outcome: AttemptOutcome) -> AttemptOutcome:
         if not verify_offer(self.offer):
             # Never run a spec that is not the one the lease was granted for.
+            self.starting_answered.set()
+            self._finish(Outcome.NOT_STARTED)
             return self._start_failed(outcome, "spec_digest_mismatch")
         try:
             # The starting ACK comes BEFORE the spawn: a 409 here (expired,
@@ -308,85 +464,164 @@ class AttemptRunner:
             self._ack_starting()
             outcome.acks.append("starting")
         except AckRejected as err:
+            self._finish(Outcome.NOT_STARTED)
             outcome.stopped = err.response.error_code or "conflict"
-            return outcome
+            return self._settle_refusal(outcome, err.response)
+        except Abandoned:
+            self._finish(Outcome.NOT_STARTED)
+            raise
+        self.journal.mark_started(self.offer_id)
+        self._set_phase(Phase.STARTED)
+        self.starting_answered.set()
         if self.stop.is_set():
+            if self.abandoned.is_set():
+                self._finish(Outcome.NOT_STARTED)
+                raise Abandoned(self.abandon_reason)
             return self._finish_unstarted(outcome)
         spec = self.offer["spec"]
+        # The crash barrier: committed before the process can exist.
+        self.journal.mark_spawning(self.offer_id)
+        self._set_phase(Phase.SPAWNING)
         try:
-            process = self.spawn(spec)
+            process = self.spawn(spec, offer_id=self.offer_id)
         except SpecRefused as err:
             # The executor's own checks (e.g. a cwd outside its work directory).
+            self._finish(Outcome.NOT_STARTED)
             return self._start_failed(outcome, err.code)
         except (OSError, ValueError) as err:
             # ValueError: what exec refuses before trying (e.g. a NUL in argv).
+            self._finish(Outcome.NOT_STARTED)
             return self._start_failed(outcome, "spawn_failed", output_tail=type(err).__name__)
         outcome.ran = True
         try:
-            self._ack("running", executor_handle=f"pid:{process.pid}")
-            outcome.acks.append("running")
-        except AckRejected as err:
-            self.cancel(err.response.error_code or "conflict")
-        exit_code = self._wait(process, timeout_s=float(spec.get("timeout_s", 3600)))
-        outcome.exit_code = exit_code
-        outcome.stopped = self.stop_reason
-        if self.stop_reason and self.stop_reason != "cancelled":
+            try:
+                self.journal.mark_running(
+                    self.offer_id,
+                    pid=process.pid,
+                    start_time=process.start_time,
+                    pgid=process.pgid,
+                )
+                self._set_phase(Phase.RUNNING)
+                exit_code = self._supervise(process, timeout_s=float(spec.get("timeout_s", 3600)))
+            except BaseException:
+                # A bug or an interrupt here must not leave the process behind.
+                process.kill()
+                process.release(0)
+                self._finish(Outcome.KILLED)
+                raise
+            self._finish(Outcome.KILLED if self._stopped_by_agent else Outcome.EXITED, exit_code)
+            outcome.exit_code = exit_code
+            outcome.stopped = self.stop_reason
+            return self._report(outcome, process)
+        finally:
+            process.close()
+
+    def _report(self, outcome: AttemptOutcome, process: Process) -> AttemptOutcome:
+        if self.abandoned.is_set():
+            raise Abandoned(self.abandon_reason)
+        if self.stop_reason and self.stop_reason not in (CANCELLED, STOPPED):
             # A 409 fenced us off the lease: nobody will accept an outcome.
-            return outcome
-        ok = exit_code == 0 and not self.stop_reason and not self.timed_out
+            return self._settle(outcome, "conflict")
+        if self._running_acked:
+            outcome.acks.append("running")
+        else:
+            # `succeeded`/`failed` are legal only after `running`.
+            response = self._post_until_answered("running", self._running_body(process))
+            if response.status != 200:
+                outcome.stopped = outcome.stopped or response.error_code or "conflict"
+                return self._settle_refusal(outcome, response)
+            self._running_acked = True
+            outcome.acks.append("running")
+        ok = outcome.exit_code == 0 and not self.stop_reason and not self.timed_out
         phase = "succeeded" if ok else "failed"
         extra: dict[str, Any] = {
-            "exit_code": exit_code,
+            "exit_code": outcome.exit_code,
             "output_tail": process.output_tail(MAX_OUTPUT_TAIL_BYTES),
         }
-        if self.stop_reason == "cancelled":
-            extra["error_code"] = "cancelled"
+        if self.stop_reason in (CANCELLED, STOPPED):
+            extra["error_code"] = self.stop_reason
         elif self.timed_out:
             extra["error_code"] = "timeout"
         elif phase == "failed":
             extra["error_code"] = "exit_nonzero"
         try:
             self._ack_final(phase, **extra)
-            outcome.acks.append(phase)
-            outcome.final_phase = phase
         except AckRejected as err:
             outcome.stopped = outcome.stopped or err.response.error_code or "conflict"
-        return outcome
+            return self._settle_refusal(outcome, err.response)
+        outcome.acks.append(phase)
+        outcome.final_phase = phase
+        return self._settle(outcome, "acked")
+
+    @staticmethod
+    def _running_body(process: Process) -> dict[str, Any]:
+        return {"executor_handle": f"pid:{process.pid}"}
+
+    def _try_running_ack(self, process: Process, backoff: Backoff) -> float:
+        """One try of the `running` ACK; returns the pause before the next one
+        (0: done). Never blocks the wait for more than one request."""
+        try:
+            response = self._post_ack("running", self._running_body(process))
+        except TransportError:
+            return backoff.next()
+        except Abandoned:
+            return 0.0  # cancel(SESSION_LOST) already stopped the process
+        if _transient(response.status):
+            return backoff.next()
+        try:
+            self._accepted("running", response)
+        except AckRejected as err:
+            self.cancel(err.response.error_code or "conflict")
+            return 0.0
+        self._running_acked = True
+        return 0.0
+
+    def _supervise(self, process: Process, *, timeout_s: float) -> int:
+        """Wait for the process (ACKing `running` meanwhile), stop it on a
+        verdict or its timeout, then end what it left in its process group."""
+        deadline = self.clock() + timeout_s
+        backoff = self._backoff()
+        next_running_try: float | None = self.clock()
+        while True:
+            code = process.poll()
+            if code is not None:
+                break
+            if self.stop.is_set() or self.clock() >= deadline:
+                # A timeout is an ordinary failure, ACKed as such.
+                self.timed_out = not self.stop.is_set()
+                self._stopped_by_agent = True
+                _stop_process(process, self.stop_grace_s)
+                break
+            if next_running_try is not None and self.clock() >= next_running_try:
+                pause = self._try_running_ack(process, backoff)
+                next_running_try = self.clock() + pause if pause else None
+                continue
+            self.stop.wait(self.poll_interval_s)
+        return process.release(self.stop_grace_s)
 
     def _finish_unstarted(self, outcome: AttemptOutcome) -> AttemptOutcome:
         # Cancelled between the starting ACK and the spawn: report, spawn nothing.
+        self._finish(Outcome.NOT_STARTED)
         return self._start_failed(outcome, "cancelled", stopped=self.stop_reason)
 
     def _start_failed(
         self, outcome: AttemptOutcome, code: str, *, stopped: str | None = None, **extra: Any
     ) -> AttemptOutcome:
         """Nothing ran: ACK `start_failed` with `code` (a 409 just ends it)."""
+        outcome.stopped = code if stopped is None else stopped
         try:
             self._ack_final("start_failed", error_code=code, **extra)
-            outcome.acks.append("start_failed")
-            outcome.final_phase = "start_failed"
-        except AckRejected:
-            pass
-        outcome.stopped = code if stopped is None else stopped
-        return outcome
-
-    def _wait(self, process: Process, *, timeout_s: float) -> int:
-        deadline = self.clock() + timeout_s
-        while True:
-            code = process.poll()
-            if code is not None:
-                return code
-            if self.stop.is_set() or self.clock() >= deadline:
-                # A timeout is an ordinary failure, ACKed as such.
-                self.timed_out = not self.stop.is_set()
-                return _stop_process(process)
-            self.stop.wait(self.poll_interval_s)
+        except AckRejected as err:
+            return self._settle_refusal(outcome, err.response)
+        outcome.acks.append("start_failed")
+        outcome.final_phase = "start_failed"
+        return self._settle(outcome, "acked")
 
 
-def _stop_process(process: Process) -> int:
+def _stop_process(process: Process, grace_s: float) -> int:
     process.terminate()
     try:
-        return process.wait(timeout=5)
+        return process.wait(timeout=grace_s)
     except Exception:  # noqa: BLE001  (TimeoutExpired or a fake's equivalent)
         process.kill()
-        return process.wait(timeout=5)
+        return process.wait(timeout=grace_s)

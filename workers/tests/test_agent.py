@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 
 from dispatch.core.spec import spec_sha256 as server_spec_sha256
 from workers.agent.executor import ProcessSpawner
+from workers.agent.journal import Phase
 from workers.agent.protocol import (
     MAX_OUTPUT_TAIL_BYTES,
     AttemptRunner,
@@ -80,6 +82,10 @@ class FakeTransport:
 class FakeProcess:
     def __init__(self, exit_code: int = 0, *, runs_until_stopped: bool = False) -> None:
         self.pid = 4242
+        self.pgid = 4242
+        self.start_time: int | None = 777
+        self.released = False
+        self.closed = False
         self.exit_code = exit_code
         self.runs_until_stopped = runs_until_stopped
         self.terminated = threading.Event()
@@ -98,8 +104,15 @@ class FakeProcess:
     def kill(self) -> None:
         self.terminated.set()
 
+    def release(self, grace_s: float) -> int:
+        self.released = True
+        return self.wait()
+
     def output_tail(self, limit: int) -> str:
         return "hello\n"
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class FakeSpawner:
@@ -107,10 +120,12 @@ class FakeSpawner:
         self.process = process
         self.log = log
         self.specs: list[Mapping[str, Any]] = []
+        self.offer_ids: list[str] = []
 
-    def __call__(self, spec: Mapping[str, Any]) -> FakeProcess:
+    def __call__(self, spec: Mapping[str, Any], *, offer_id: str = "") -> FakeProcess:
         self.log.append("spawn")
         self.specs.append(spec)
+        self.offer_ids.append(offer_id)
         return self.process
 
 
@@ -190,6 +205,9 @@ def test_a_cancel_verdict_stops_the_process_and_acks_failed_cancelled():
     runner, transport, _, _ = runner_with(process=process)
     thread = threading.Thread(target=runner.run)
     thread.start()
+    deadline = time.monotonic() + 5
+    while runner.phase is not Phase.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.005)
     runner.cancel("cancelled")  # what the heartbeat loop does on a cancel verdict
     thread.join(5)
     assert process.terminated.is_set()
@@ -219,7 +237,9 @@ def test_real_process_spawner_runs_the_spec_and_bounds_the_output_tail(tmp_path)
     script = "import os,sys; sys.stdout.write('x' * 70000 + os.environ['GREETING'] + os.getcwd())"
     process = spawn(a_spec(command=[sys.executable, "-c", script], env={"GREETING": "END"}))
     assert process.wait(timeout=30) == 0
+    assert process.release(grace_s=1) == 0
     tail = process.output_tail(MAX_OUTPUT_TAIL_BYTES)
+    process.close()
     assert len(tail.encode()) <= MAX_OUTPUT_TAIL_BYTES
     assert tail.endswith("END" + str(tmp_path))
 
@@ -249,7 +269,7 @@ def test_agent_cli_documents_itself(argv):
 
 
 def test_pull_asks_for_at_most_sixteen_offers_however_many_slots():
-    from workers.agent.agent import MAX_OFFERS_PER_PULL, Agent
+    from workers.agent.agent import MAX_OFFERS_PER_PULL, Agent, SessionHandle
 
     transport = FakeTransport(answers={"None": Response(200, {"offers": []})})
     agent = Agent(
@@ -259,14 +279,14 @@ def test_pull_asks_for_at_most_sixteen_offers_however_many_slots():
         executor="process",
         spawn=FakeSpawner(FakeProcess(), []),
     )
-    agent.session_token = "s" * 43
+    agent.session = SessionHandle(token="s" * 43, session_id="session-1")
     agent.pull()
     (call,) = [c for c in transport.calls if c["path"].endswith("/pull")]
     assert call["max_offers"] == MAX_OFFERS_PER_PULL == 16
 
 
 def test_long_poll_asks_the_server_to_wait_at_most_half_a_heartbeat():
-    from workers.agent.agent import Agent
+    from workers.agent.agent import Agent, SessionHandle
 
     transport = FakeTransport(answers={"None": Response(200, {"offers": []})})
     agent = Agent(
@@ -277,7 +297,7 @@ def test_long_poll_asks_the_server_to_wait_at_most_half_a_heartbeat():
         spawn=FakeSpawner(FakeProcess(), []),
         long_poll_s=30,
     )
-    agent.session_token = "s" * 43
+    agent.session = SessionHandle(token="s" * 43, session_id="session-1")
     agent.heartbeat_interval_s = 10.0
     agent.pull()
     (call,) = transport.calls

@@ -104,4 +104,7 @@ def test_a_cwd_inside_runs_there(workdir: Path) -> None:
         )
     )
     assert process.wait(timeout=30) == 0
-    assert process.output_tail(4096).strip() == str((workdir / "jobs" / "nightly").resolve())
+    assert process.release(grace_s=1) == 0
+    tail = process.output_tail(4096)
+    process.close()
+    assert tail.strip() == str((workdir / "jobs" / "nightly").resolve())

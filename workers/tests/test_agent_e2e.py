@@ -34,6 +34,8 @@ def agent(live_server, credential_file: Path, *extra: str) -> subprocess.Popen:
             live_server.url,
             "--credential-file",
             str(credential_file),
+            "--state-dir",
+            str(credential_file.parent / "agent-state"),
             "--poll-interval",
             "0.2",
             *extra,

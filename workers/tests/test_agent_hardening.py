@@ -107,7 +107,10 @@ def _tail_of(tmp_path: Any, payload: str) -> str:
     script = f"import sys; sys.stdout.buffer.write({payload})"
     process = ProcessSpawner(tmp_path)(a_spec(command=[sys.executable, "-c", script]))
     assert process.wait(timeout=30) == 0
-    return process.output_tail(MAX_OUTPUT_TAIL_BYTES)
+    assert process.release(grace_s=1) == 0
+    tail = process.output_tail(MAX_OUTPUT_TAIL_BYTES)
+    process.close()
+    return tail
 
 
 def test_the_spawner_tail_has_no_nul_and_is_valid_utf8(tmp_path: Any) -> None:

@@ -27,7 +27,8 @@ from runs.services import run_enqueue, task_create
 from workers.agent.agent import Agent
 from workers.agent.protocol import (
     MAX_OUTPUT_TAIL_BYTES,
-    TERMINAL_ACK_RETRY_DELAYS_S,
+    RETRY_CAP_S,
+    RETRY_INITIAL_S,
     AttemptRunner,
     Response,
     TransportError,
@@ -175,7 +176,7 @@ def test_the_agent_sends_a_tail_that_fits_the_limit_as_sent() -> None:
     assert outcome.final_phase == "succeeded"
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 411, 413, 415, 422])
+@pytest.mark.parametrize("status", [400, 403, 404, 411, 413, 415, 422])
 def test_a_refused_terminal_ack_goes_again_without_the_tail(status: int) -> None:
     outcome, transport, slept = run_with({"succeeded": [refused(status)]})
     first, second = transport.terminal()
@@ -183,6 +184,16 @@ def test_a_refused_terminal_ack_goes_again_without_the_tail(status: int) -> None
     assert second == {k: v for k, v in first.items() if k != "output_tail"}
     assert (outcome.final_phase, outcome.stopped) == ("succeeded", "")
     assert slept == []  # a refusal is not retried as is
+
+
+def test_a_401_on_the_terminal_ack_leaves_it_owed_for_the_reconcile() -> None:
+    # The Session is gone (contract C): nothing more is sent under it; the
+    # outcome stays in the journal and goes through the next Session's reconcile.
+    outcome, transport, slept = run_with({"succeeded": [refused(401, "session_replaced")]})
+    assert len(transport.terminal()) == 1
+    assert (outcome.ran, outcome.final_phase, outcome.report) == (True, None, "")
+    assert outcome.stopped == "session_lost"
+    assert slept == []
 
 
 def test_then_with_a_minimal_body() -> None:
@@ -198,7 +209,7 @@ def test_then_with_a_minimal_body() -> None:
 
 def test_a_start_failed_ack_falls_back_to_phase_token_and_digest() -> None:
     class Unspawnable(FakeSpawner):
-        def __call__(self, spec: Mapping[str, Any]) -> FakeProcess:
+        def __call__(self, spec: Mapping[str, Any], *, offer_id: str = "") -> FakeProcess:
             raise FileNotFoundError("no such program")
 
     transport = Scripted({"start_failed": [refused(422), refused(400)]})
@@ -251,28 +262,22 @@ def test_a_transient_failure_is_retried_with_the_same_body_after_a_pause(
     outcome, transport, slept = run_with({"succeeded": [failure, failure]})
     first, second, third = transport.terminal()
     assert first == second == third  # tail included: nothing was refused
-    assert slept == list(TERMINAL_ACK_RETRY_DELAYS_S[:2])
+    assert len(slept) == 2
+    assert RETRY_INITIAL_S / 2 <= slept[0] <= RETRY_INITIAL_S  # jittered
     assert outcome.final_phase == "succeeded"
 
 
-def test_the_transient_retries_are_bounded() -> None:
-    tries = len(TERMINAL_ACK_RETRY_DELAYS_S) + 1
-    script: dict[str, list[Response | Exception]] = {"succeeded": [refused(503)] * (tries + 5)}
-    outcome, transport, slept = run_with(script)
-    assert len(transport.terminal()) == tries
-    assert slept == list(TERMINAL_ACK_RETRY_DELAYS_S)
-    assert outcome.final_phase is None
-
-
-def test_a_control_plane_that_stays_away_ends_in_a_transport_error() -> None:
-    # Issue 10 (a journal replayed later) takes it from there; the agent loop
-    # records the Attempt as stopped by the transport.
-    tries = len(TERMINAL_ACK_RETRY_DELAYS_S) + 1
-    script: dict[str, list[Response | Exception]] = {
-        "succeeded": [TransportError("URLError")] * tries
-    }
-    with pytest.raises(TransportError):
-        run_with(script)
+def test_a_control_plane_that_stays_away_is_waited_for_with_capped_jittered_pauses() -> None:
+    # Issue 10 finding 3: the terminal ACK is never given up on a transport
+    # error or a 5xx; it goes until the control plane answers.
+    failures: list[Response | Exception] = [TransportError("URLError"), refused(502)] * 20
+    outcome, transport, slept = run_with({"succeeded": failures})
+    assert len(transport.terminal()) == 41
+    assert (outcome.final_phase, outcome.report) == ("succeeded", "acked")
+    assert len(slept) == 40
+    assert max(slept) <= RETRY_CAP_S
+    assert slept[-1] >= RETRY_CAP_S / 2  # grown to the cap
+    assert slept[1] > slept[0] / 2  # and growing from the start
 
 
 # ------------------------------------------------- against the real Worker API
@@ -301,8 +306,8 @@ def test_a_413_from_a_smaller_cap_on_the_way_is_survived(live_server, monkeypatc
     )
     agent.open_session()
     assert agent.pull() == 1
-    for _, thread in list(agent.runners.values()):
-        thread.join(30)
+    for entry in list(agent.runners.values()):
+        entry.thread.join(30)
     [outcome] = agent.outcomes
     assert (outcome.final_phase, outcome.stopped) == ("succeeded", "")
     run.refresh_from_db()
@@ -358,6 +363,8 @@ def test_a_task_printing_json_log_lines_ends_succeeded(live_server, tmp_path) ->
             live_server.url,
             "--credential-file",
             str(credential_file),
+            "--state-dir",
+            str(tmp_path / "agent-state"),
             "--poll-interval",
             "0.2",
             "--once",
