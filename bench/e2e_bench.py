@@ -535,6 +535,8 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         command = [*python, "-m", "workers.agent", "--url", f"http://127.0.0.1:{port}"]
         command += ["--credential-file", str(credential), "--slots", str(args.slots)]
         command += ["--poll-interval", str(args.poll_interval), "--workdir", str(logdir)]
+        # One journal per agent (docs/adr/0008): a state directory takes one agent.
+        command += ["--state-dir", str(logdir / f"agent{index}.state")]
         if args.long_poll:
             command += ["--long-poll", str(args.long_poll)]
         procs.start(f"agent{index}", command, agent_env)
