@@ -125,6 +125,13 @@ class WebhookSubscriptionAdmin(DigestLookupGuard):
             request, obj, subscription_secret(subscription_id=obj.pk, nonce=obj.secret_nonce)
         )
 
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> Any:
+        # A subscription's delivery log goes with it: deleting the subscription
+        # needs its own delete permission only, not one on the (read-only) log.
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        log_name = str(WebhookDelivery._meta.verbose_name)
+        return deleted, counts, {p for p in perms_needed if p != log_name}, protected
+
     def has_send_test_permission(self, request: HttpRequest) -> bool:
         return holds(request, "notifications.send_test_webhook")
 
