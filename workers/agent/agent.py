@@ -40,6 +40,7 @@ from workers.agent.journal import (
     Outcome,
     Phase,
 )
+from workers.agent.output import output_watcher
 from workers.agent.protocol import (
     AGENT_STOPPING,
     CANCELLED,
@@ -136,6 +137,7 @@ class Agent:
         retry_cap_s: float = RETRY_CAP_S,
         rng: Callable[[], float] | None = None,
         sleep: Callable[[float], None] | None = None,
+        live_output: bool = True,
     ) -> None:
         self.transport = transport
         self.credential = credential
@@ -149,6 +151,8 @@ class Agent:
         self.retry_initial_s = retry_initial_s
         self.retry_cap_s = retry_cap_s
         self._rng = rng
+        # Send running Attempts' output as it is written (workers/agent/output.py).
+        self.live_output = live_output
         # Drain: pull nothing more, finish and report what runs, then exit.
         self.stopping = threading.Event()
         # Stop now: end every process; the journal keeps what is owed.
@@ -459,6 +463,7 @@ class Agent:
             rng=self._rng,
             on_change=self._notify,
             on_session_lost=lambda: self._session_lost(session, "ack_unauthorized"),
+            watch_output=output_watcher if self.live_output else None,
         )
         # Not a daemon: the child's parent-death signal is bound to this
         # thread, which lives as long as the child (it waits for its exit).

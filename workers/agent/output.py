@@ -33,12 +33,21 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from workers.agent.protocol import Response, Transport, TransportError, output_tail_wire_bytes
+from workers.agent.protocol import (
+    CANCELLED,
+    AttemptRunner,
+    Process,
+    Response,
+    Transport,
+    TransportError,
+    output_tail_wire_bytes,
+)
 
 __all__ = [
     "MAX_OUTPUT_CHUNK_BYTES",
     "OUTPUT_INTERVAL_S",
     "OutputSender",
+    "output_watcher",
     "split_chunk",
 ]
 
@@ -194,3 +203,24 @@ class OutputSender:
         return self.transport.post(
             f"/api/v1/worker/leases/{self.offer_id}/output", body, token=self.session_token
         )
+
+
+def output_watcher(runner: AttemptRunner, process: Process) -> Callable[[], None] | None:
+    """The runner's hook (`AttemptRunner(watch_output=...)`): start a sender for
+    this process's output; returns its `close`. None for a process that offers
+    no output file to read (`read_output`/`output_size`)."""
+    read = getattr(process, "read_output", None)
+    size = getattr(process, "output_size", None)
+    if read is None or size is None:
+        return None
+    sender = OutputSender(
+        transport=runner.transport,
+        session_token=runner.session_token,
+        offer_id=runner.offer_id,
+        lease_token=runner.lease_token,
+        read=read,
+        size=size,
+        on_cancel=lambda: runner.cancel(CANCELLED),
+    )
+    sender.start()
+    return sender.close

@@ -270,6 +270,7 @@ class AttemptRunner:
         rng: Callable[[], float] | None = None,
         on_change: Callable[[], None] | None = None,
         on_session_lost: Callable[[], None] | None = None,
+        watch_output: Callable[[AttemptRunner, Process], Callable[[], None] | None] | None = None,
     ) -> None:
         self.transport = transport
         self.session_token = session_token
@@ -289,6 +290,9 @@ class AttemptRunner:
         self._retry = (retry_initial_s, retry_cap_s, rng)
         self._on_change = on_change
         self._on_session_lost = on_session_lost
+        # Live output (workers/agent/output.py): started once the process runs;
+        # returns the call that sends the rest and stops it.
+        self._watch_output = watch_output
         # Set by the heartbeat loop on a cancel or stop verdict, by any 409,
         # by a lost Session or by the agent stopping.
         self.stop = threading.Event()
@@ -502,7 +506,14 @@ class AttemptRunner:
                     pgid=process.pgid,
                 )
                 self._set_phase(Phase.RUNNING)
-                exit_code = self._supervise(process, timeout_s=float(spec.get("timeout_s", 3600)))
+                close_output = self._watch_output(self, process) if self._watch_output else None
+                try:
+                    exit_code = self._supervise(
+                        process, timeout_s=float(spec.get("timeout_s", 3600))
+                    )
+                finally:
+                    if close_output is not None:
+                        close_output()  # the last output goes before the terminal ACK
             except BaseException:
                 # A bug or an interrupt here must not leave the process behind.
                 process.kill()
