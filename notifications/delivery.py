@@ -33,6 +33,7 @@ import logging
 import random
 import socket
 import ssl
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, fields
@@ -40,6 +41,7 @@ from datetime import timedelta
 from typing import Any, Final
 
 from django.conf import settings
+from django.db import connection
 
 from notifications.models import DeliveryState, WebhookDelivery
 from notifications.services import webhook_url_problem
@@ -50,10 +52,12 @@ from qinglong.metrics import WEBHOOK_FAILURES
 __all__ = [
     "DeliveryCounts",
     "DestinationRefused",
+    "WebhookSender",
     "retry_delay_s",
     "webhook_deliver",
     "webhook_deliveries_prune",
     "webhooks_deliver_due",
+    "webhooks_due",
 ]
 
 logger = logging.getLogger("qinglong.notifications")
@@ -305,3 +309,63 @@ def webhook_deliveries_prune(*, days: int | None = None) -> int:
         return 0
     deleted, _ = WebhookDelivery.objects.filter(pk__in=ids).delete()
     return int(deleted)
+
+
+def webhooks_due() -> bool:
+    """Whether a delivery is due now (one read of the partial index)."""
+    return WebhookDelivery.objects.filter(
+        state=DeliveryState.PENDING, next_attempt_at__lte=db_now()
+    ).exists()
+
+
+class WebhookSender:
+    """The embedded default's sender (`manage.py run_dispatcher`): one thread at a time.
+
+    `kick()` is cheap and called once per loop iteration: when deliveries are
+    due and no sender thread is alive, it starts one that sends until nothing
+    is due (bounded steps) and exits. A slow or dead receiver therefore never
+    holds up a dispatch cycle, and no thread exists while nothing is due.
+    Finished deliveries are pruned at most every `PRUNE_EVERY_S`.
+    """
+
+    PRUNE_EVERY_S: Final = 300.0
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._last_prune = time.monotonic()
+
+    def kick(self) -> bool:
+        """Start a sender thread if one is needed; True if one was started."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        prune = time.monotonic() - self._last_prune >= self.PRUNE_EVERY_S
+        if not prune and not webhooks_due():
+            return False
+        if prune:
+            self._last_prune = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._drain, kwargs={"prune": prune}, name="webhooks", daemon=True
+        )
+        self._thread.start()
+        return True
+
+    def _drain(self, *, prune: bool) -> None:
+        try:
+            if prune:
+                webhook_deliveries_prune()
+            while not self._stop.is_set() and webhooks_deliver_due().examined:
+                pass
+        except Exception:
+            logger.exception("webhook delivery failed", extra={"event": "webhook_sender_failed"})
+        finally:
+            # This thread's own database connection.
+            connection.close()
+
+    def stop(self, *, timeout_s: float | None = None) -> None:
+        """Stop after the send in progress (at most one request timeout)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(
+                float(settings.QINGLONG_WEBHOOK_TIMEOUT_S) + 1 if timeout_s is None else timeout_s
+            )

@@ -56,6 +56,18 @@ app.conf.update(
             "schedule": 1.0,
             "options": {"expires": _CYCLE_EXPIRES_S},
         },
+        "deliver-webhooks": {
+            # One bounded step of due webhook deliveries (README "Webhooks"); a
+            # duplicate beat finds them claimed: each try is sent once.
+            "task": "notifications.tasks.deliver_webhooks_task",
+            "schedule": 2.0,
+            "options": {"expires": _CYCLE_EXPIRES_S},
+        },
+        "prune-webhook-deliveries": {
+            "task": "notifications.tasks.prune_webhook_deliveries_task",
+            "schedule": 300.0,
+            "options": {"expires": _SWEEP_EXPIRES_S},
+        },
         "sweep-expired-leases": {
             "task": "dispatch.tasks.sweep_expired_leases_task",
             "schedule": 5.0,

@@ -25,6 +25,7 @@ from dispatch.core.ports import DispatchScope
 from dispatch.cycles import NullOfferNotifier, OfferNotifier, cycle_recorder, dispatch_cycle
 from dispatch.notify import RedisOfferNotifier
 from dispatch.sweeps import run_all_sweeps
+from notifications.delivery import WebhookSender
 
 logger = logging.getLogger("qinglong.dispatch.loop")
 
@@ -154,6 +155,8 @@ class DispatchLoop:
         self.notifier = notifier
         self.emit = emit
         self.stop = threading.Event()
+        # Webhook deliveries go out on a thread of their own (README "Webhooks").
+        self.webhooks = WebhookSender()
         self.totals: dict[str, Any] = {
             "cycles": 0,
             "errors": 0,
@@ -170,6 +173,7 @@ class DispatchLoop:
                 last_sweep = time.monotonic()
                 self._sweep()
             delay = self.interval
+            self._kick_webhooks()
             try:
                 summary = dispatch_cycle(
                     scope=DispatchScope.global_(), notifier=self.notifier
@@ -202,6 +206,7 @@ class DispatchLoop:
             if delay:
                 self.stop.wait(delay)
         self._flush_cycle_records()
+        self.webhooks.stop()
         totals = dict(self.totals)
         totals["statuses"] = dict(self.totals["statuses"])
         return totals
@@ -215,6 +220,14 @@ class DispatchLoop:
             logger.exception(
                 "cycle summaries not written", extra={"event": "dispatch_cycle_summary_failed"}
             )
+
+    def _kick_webhooks(self) -> None:
+        try:
+            self.webhooks.kick()
+        except Exception:
+            self.totals["errors"] += 1
+            logger.exception("webhook check failed", extra={"event": "webhook_check_failed"})
+            _reset_connection()
 
     def _sweep(self) -> None:
         try:
