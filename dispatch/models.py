@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.db import models
+from django.db.models import Q
 
 
 class DispatchCycle(models.Model):
@@ -27,7 +28,13 @@ class DispatchCycle(models.Model):
 
     class Meta:
         ordering = ["-id"]
-        indexes = [models.Index(fields=["started_at"], name="dispatchcycle_started")]
+        indexes = [
+            models.Index(fields=["started_at"], name="dispatchcycle_started"),
+            # The overview's newest truncated cycles, however many cycles there are.
+            models.Index(
+                fields=["id"], name="dispatchcycle_truncated", condition=Q(truncated=True)
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"cycle {self.pk} {self.scope} {self.status}/{self.reason}"

@@ -1,8 +1,9 @@
-"""Admin-wide hardening, loaded by the admin's autodiscovery (qinglong is an app).
+"""Admin-wide hardening and helpers shared by every console admin (no side effects).
 
 - DRF's TokenProxy admin lists every operator's API key in plaintext (DRF
-  stores keys unhashed): it is unregistered, so no admin page ever shows one.
-  Tokens are issued with `manage.py drf_create_token USER`.
+  stores keys unhashed): it is unregistered once the admin modules are loaded
+  (`qinglong.apps.QinglongAdminConfig.ready`), so no admin page ever shows
+  one. Tokens are issued with `manage.py drf_create_token USER`.
 - `DigestLookupGuard`: the changelist accepts `?field__lookup=` filters on any
   local field, so `?token_digest__startswith=ab` would let a staff user recover
   a full digest one prefix at a time. Any lookup that touches a digest field,
@@ -12,16 +13,26 @@
   Django neither offers nor runs it for a user without it; pages whose fields
   are all read-only grant no change permission at all. The table of who may
   do what is in the README ("Admin permissions").
+- Who and why (`ReasonedActions`, a base of every console admin): an action
+  runs only with a reason typed beside it, and writes one admin LogEntry per
+  selected object naming the user, the action and the reason (the object's
+  History page and the index's "Recent actions" show it). Django's own
+  "delete selected" keeps its confirmation page and logs each deletion.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final
 
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.helpers import ActionForm
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.db.models import Model, QuerySet
 from django.db.models.constants import LOOKUP_SEP
-from django.http import HttpRequest
-from rest_framework.authtoken.models import TokenProxy
+from django.http import HttpRequest, HttpResponseBase
 
 if TYPE_CHECKING:
     # django-stubs types the admin classes by the model they show, but Django's
@@ -40,7 +51,83 @@ def touches_digest(lookup: str) -> bool:
     return any(part in DIGEST_FIELDS for part in lookup.split(LOOKUP_SEP))
 
 
-class DigestLookupGuard(ModelAdminBase):
+REASON_MAX_LENGTH: Final = 200
+# Django's own action: its confirmation page and its deletion log stay as they are.
+_UNWRAPPED_ACTIONS: Final = frozenset({"delete_selected"})
+
+ActionFunc = Callable[[Any, HttpRequest, "QuerySet[Any]"], "HttpResponseBase | None"]
+
+
+class ReasonActionForm(ActionForm):
+    """The changelist's action bar with a reason box: why, for the admin log."""
+
+    reason = forms.CharField(
+        label="Reason:",
+        required=False,
+        max_length=REASON_MAX_LENGTH,
+        widget=forms.TextInput(attrs={"placeholder": "why (logged)", "size": 24}),
+    )
+
+
+def action_reason(request: HttpRequest) -> str:
+    """The reason posted with an action or a switch, trimmed ('' = none given)."""
+    return str(request.POST.get("reason", "")).strip()[:REASON_MAX_LENGTH]
+
+
+def log_admin_change(
+    request: HttpRequest, objects: Iterable[Model], *, what: str, reason: str
+) -> None:
+    """One admin LogEntry (CHANGE) per object: who (the user), what, and why."""
+    rows = list(objects)
+    user_id = request.user.pk  # admin views serve staff users only: never None here
+    if rows and user_id is not None:
+        LogEntry.objects.log_actions(
+            user_id=user_id,
+            queryset=rows,
+            action_flag=CHANGE,
+            change_message=f"{what} (reason: {reason})",
+        )
+
+
+def _reasoned(func: ActionFunc, description: str) -> ActionFunc:
+    @functools.wraps(func)  # keeps allowed_permissions and short_description
+    def action(
+        model_admin: Any, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> HttpResponseBase | None:
+        reason = action_reason(request)
+        if not reason:
+            model_admin.message_user(
+                request,
+                "Nothing done: an action needs a reason (type it in the Reason box).",
+                messages.ERROR,
+            )
+            return None
+        # Read before acting: the rows the operator selected, as they were.
+        selected = list(queryset)
+        response = func(model_admin, request, queryset)
+        log_admin_change(request, selected, what=f"Action: {description}", reason=reason)
+        return response
+
+    return action
+
+
+class ReasonedActions(ModelAdminBase):
+    """Every action of this admin needs a reason and leaves an admin LogEntry."""
+
+    action_form = ReasonActionForm
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        # Django has already dropped the actions this user may not run.
+        actions: dict[str, Any] = super().get_actions(request)
+        return {
+            name: entry
+            if name in _UNWRAPPED_ACTIONS
+            else (_reasoned(entry[0], str(entry[2])), entry[1], entry[2])
+            for name, entry in actions.items()
+        }
+
+
+class DigestLookupGuard(ReasonedActions):
     """A ModelAdmin whose changelist refuses every lookup on a digest field."""
 
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
@@ -76,9 +163,3 @@ class ReadOnlyAdmin(DigestLookupGuard):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-
-# `rest_framework.authtoken` comes before `qinglong` in INSTALLED_APPS, so its
-# admin module is already imported (and TokenProxy registered) by now.
-if admin.site.is_registered(TokenProxy):
-    admin.site.unregister(TokenProxy)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.contrib.admin.apps import AdminConfig
 
 
 class QinglongConfig(AppConfig):
@@ -9,3 +10,19 @@ class QinglongConfig(AppConfig):
 
     def ready(self) -> None:
         from qinglong import checks  # noqa: F401  (registers the system checks)
+
+
+class QinglongAdminConfig(AdminConfig):
+    """Django's admin with the console's site as the default `admin.site`."""
+
+    default_site = "qinglong.console.site.QinglongAdminSite"
+
+    def ready(self) -> None:
+        super().ready()  # autodiscovery: every app's admin module is loaded now
+        # Models can only be imported once the apps are ready. DRF stores API
+        # keys unhashed and its TokenProxy admin would list them: no page may.
+        from django.contrib import admin
+        from rest_framework.authtoken.models import TokenProxy
+
+        if admin.site.is_registered(TokenProxy):
+            admin.site.unregister(TokenProxy)

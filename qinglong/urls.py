@@ -6,11 +6,14 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import AllowAny
 
 from qinglong.api_errors import api_not_found
+from qinglong.console.views import metrics_view
 from qinglong.health import healthz
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", healthz, name="healthz"),
+    # Prometheus text, for a scraper with the token or from the allow-list (README "Metrics").
+    path("metrics", metrics_view, name="metrics"),
     path("api/v1/worker/", include("workers.api.urls")),
     path("api/v1/", include("runs.api.urls")),
     # Public on purpose: a Worker author writes a client from the schema alone.

@@ -182,6 +182,13 @@ class Run(models.Model):
                 name="run_project_active",
                 condition=Q(state__in=["dispatching", "running"]),
             ),
+            # The overview's throughput charts: Runs finished in a time window,
+            # by end state (qinglong.console.selectors.runs_finished).
+            models.Index(
+                fields=["finished_at", "state"],
+                name="run_finished",
+                condition=Q(finished_at__isnull=False),
+            ),
             models.Index(
                 fields=["schedule"],
                 name="run_schedule_active",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib.admin.models import CHANGE, LogEntry
 from django.urls import reverse
 
 from dispatch.core.ports import DispatchScope
@@ -47,9 +48,10 @@ def assert_redacted(body: str, *secrets: str) -> None:
         assert secret not in body
 
 
-def act(client, model: str, action: str, ids: list[int]):
+def act(client, model: str, action: str, ids: list[int], reason: str = "admin test"):
     url = reverse(f"admin:{model}_changelist")
-    return client.post(url, {"action": action, "_selected_action": ids}, follow=True)
+    data = {"action": action, "_selected_action": ids, "reason": reason}
+    return client.post(url, data, follow=True)
 
 
 def messages_of(response) -> list[str]:
@@ -250,3 +252,35 @@ def test_run_changelist_names_tasks_and_revisions_readably(admin_client):
     page = admin_client.get(reverse("admin:runs_run_changelist")).content.decode()
     assert "billing/nightly" in page
     assert "nightly r1" in page
+
+
+# ------------------------------------------------------------- who and why
+
+
+def test_an_action_needs_a_reason_and_leaves_one_log_entry_per_object(admin_client):
+    runs = [make_run(), make_run()]
+    ids = [r.pk for r in runs]
+    refused = act(admin_client, "runs_run", "cancel_runs", ids, reason="")
+    assert any("needs a reason" in m for m in messages_of(refused))
+    assert set(Run.objects.values_list("state", flat=True)) == {"queued"}
+    assert not LogEntry.objects.exists()
+
+    act(admin_client, "runs_run", "cancel_runs", ids, reason="wrong input file")
+    entries = LogEntry.objects.order_by("object_id")
+    assert [(e.user.username, e.object_id, e.action_flag) for e in entries] == [
+        ("admin", str(pk), CHANGE) for pk in sorted(ids)
+    ]
+    assert {e.change_message for e in entries} == {
+        "Action: Cancel selected runs (reason: wrong input file)"
+    }
+    # The Run's History page shows who did what and why.
+    history = admin_client.get(reverse("admin:runs_run_history", args=[ids[0]])).content.decode()
+    assert "wrong input file" in history
+    assert "Cancel selected runs" in history
+
+
+def test_the_reason_box_sits_in_the_action_bar(admin_client):
+    make_run()
+    page = admin_client.get(reverse("admin:runs_run_changelist")).content.decode()
+    assert 'name="reason"' in page
+    assert 'placeholder="why (logged)"' in page

@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 from django.contrib import admin
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.auth.models import Group, Permission, User
+from django.contrib.messages import get_messages
 from django.db.models import Model
 from django.forms.models import model_to_dict
 from django.test import Client, RequestFactory
@@ -48,6 +50,8 @@ from workers.models import Worker, WorkerAdminState, WorkerSession
 from workers.services import worker_set_admin_state
 
 pytestmark = pytest.mark.django_db
+
+REASON = "walk test"
 
 
 # ------------------------------------------------------------------- world
@@ -277,13 +281,20 @@ def offered_actions(client: Client, label: str) -> list[str]:
     return [name for name, _ in action_form.fields["action"].choices if name]
 
 
-def post_action(client: Client, label: str, action: str, ids: list[int]) -> Any:
+def post_action(
+    client: Client, label: str, action: str, ids: list[int], reason: str = REASON
+) -> Any:
     app_label, model_name = label.split(".")
     return client.post(
         reverse(f"admin:{app_label}_{model_name}_changelist"),
-        # `post=yes` is the confirmation "delete selected" asks for.
-        {"action": action, "_selected_action": ids, "post": "yes"},
+        # `post=yes` is the confirmation "delete selected" asks for; `reason`
+        # the why every action needs (qinglong.admin.ReasonedActions).
+        {"action": action, "_selected_action": ids, "post": "yes", "reason": reason},
     )
+
+
+def logged_by(username: str) -> Any:
+    return LogEntry.objects.filter(user__username=username)
 
 
 # ------------------------------------------------------------- the walk
@@ -319,6 +330,7 @@ def test_a_view_only_user_can_neither_see_nor_run_the_action(
     assert response.status_code in (200, 302)
     assert spec.state(world) == before
     assert "shown once" not in response.content.decode()
+    assert not logged_by("viewer").exists()
 
 
 @pytest.mark.parametrize(("label", "action"), registered_actions())
@@ -333,6 +345,35 @@ def test_the_declared_permission_alone_lets_a_staff_user_run_the_action(
     assert action in offered_actions(client, label)
     post_action(client, label, action, spec.targets(world))
     assert spec.state(world) != before
+    # Who and why: one admin LogEntry by this operator per selected object.
+    targets = {str(pk) for pk in spec.targets(world)}
+    if action == "delete_selected":
+        # Django's own action logs each deletion (who) after its confirmation.
+        entries = logged_by("operator").filter(action_flag=DELETION)
+    else:
+        entries = logged_by("operator").filter(
+            action_flag=CHANGE, change_message__endswith=f"(reason: {REASON})"
+        )
+    assert {entry.object_id for entry in entries} == targets
+
+
+@pytest.mark.parametrize(
+    ("label", "action"), [a for a in registered_actions() if a[1] != "delete_selected"]
+)
+def test_an_action_without_a_reason_changes_nothing_and_logs_nothing(
+    label: str, action: str
+) -> None:
+    spec = ACTIONS[(label, action)]
+    world = build_world()
+    spec.prepare(world)
+    before = spec.state(world)
+    client = client_for(staff_user("operator", [*view_permissions(), _permission(spec.permission)]))
+    response = post_action(client, label, action, spec.targets(world), reason="   ")
+    assert spec.state(world) == before
+    assert not logged_by("operator").exists()
+    assert "shown once" not in response.content.decode()
+    shown = [str(m) for m in get_messages(response.wsgi_request)]
+    assert any("needs a reason" in m for m in shown), shown
 
 
 @pytest.mark.parametrize(("label", "action"), registered_actions())
@@ -346,6 +387,7 @@ def test_every_permission_but_the_declared_one_is_not_enough(label: str, action:
     assert action not in offered_actions(client, label)
     post_action(client, label, action, spec.targets(world))
     assert spec.state(world) == before
+    assert not logged_by("almost").exists()
 
 
 def test_a_view_only_user_is_offered_no_action_on_any_page(viewer: Client) -> None:
