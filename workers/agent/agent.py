@@ -464,6 +464,7 @@ class Agent:
             on_change=self._notify,
             on_session_lost=lambda: self._session_lost(session, "ack_unauthorized"),
             watch_output=output_watcher if self.live_output else None,
+            log=log,
         )
         # Not a daemon: the child's parent-death signal is bound to this
         # thread, which lives as long as the child (it waits for its exit).

@@ -271,6 +271,7 @@ class AttemptRunner:
         on_change: Callable[[], None] | None = None,
         on_session_lost: Callable[[], None] | None = None,
         watch_output: Callable[[AttemptRunner, Process], Callable[[], None] | None] | None = None,
+        log: Callable[..., None] | None = None,
     ) -> None:
         self.transport = transport
         self.session_token = session_token
@@ -290,6 +291,7 @@ class AttemptRunner:
         self._retry = (retry_initial_s, retry_cap_s, rng)
         self._on_change = on_change
         self._on_session_lost = on_session_lost
+        self._log = log
         # Live output (workers/agent/output.py): started once the process runs;
         # returns the call that sends the rest and stops it.
         self._watch_output = watch_output
@@ -374,15 +376,30 @@ class AttemptRunner:
         or a 429 (the same phase twice is a no-op on the server) until the
         control plane answers; Abandoned if the Session goes or the agent stops."""
         backoff = self._backoff()
+        tries = 0
         while True:
+            tries += 1
             try:
                 response = self._post_ack(phase, extra)
-            except TransportError:
-                pass
+            except TransportError as err:
+                failure = str(err)
             else:
                 if not _transient(response.status):
                     return response
-            self._pause(backoff.next())
+                failure = str(response.status)
+            delay = backoff.next()
+            if self._log is not None and (tries == 1 or tries % 10 == 0):
+                # The first failure, then every tenth: an outage is visible
+                # without a line per try.
+                self._log(
+                    "ack_retry",
+                    offer_id=self.offer_id,
+                    phase=phase,
+                    error=failure,
+                    tries=tries,
+                    retry_in_s=round(delay, 3),
+                )
+            self._pause(delay)
 
     def _ack_final(self, phase: str, **extra: Any) -> Response:
         """A terminal ACK: a finished process is always reported.
