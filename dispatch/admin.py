@@ -19,14 +19,17 @@ from django.contrib import admin, messages
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 from django.utils.functional import cached_property
+from django.utils.html import format_html
 
+from dispatch.core.result import CycleStatus
 from dispatch.cycles import dispatch_paused, dispatch_set_paused
 from dispatch.models import DispatchControl, DispatchCycle
 from leases.end import lease_revoke
 from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
-from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, holds
+from qinglong.admin import DigestLookupGuard, ReadOnlyAdmin, action_reason, compact_time, holds
 
 COUNT_CAP: Final = 10_000
 
@@ -60,22 +63,11 @@ class ViewOnlyAdmin(ReadOnlyAdmin):
 
 @admin.register(RunLease)
 class RunLeaseAdmin(ViewOnlyAdmin):
-    list_display = (
-        "id",
-        "run",
-        "attempt",
-        "worker",
-        "session_generation",
-        "lease_generation",
-        "state",
-        "source",
-        "token_prefix",
-        "delivery_count",
-        "expires_at",
-        "end_reason",
-    )
+    # Fits a 1400-px window beside the navigation and the filters; the rest
+    # (generations, deliveries, token prefix) is on the lease's page.
+    list_display = ("id", "run_id_link", "worker", "state", "expires", "end_reason")
     list_filter = ("state", "source")
-    list_select_related = ("run", "attempt", "worker")
+    list_select_related = ("worker",)
     search_fields = ("id", "offer_id", "run__id")
     # Never token_digest or spec_digest in full, and no spec at all.
     fields = (
@@ -104,6 +96,15 @@ class RunLeaseAdmin(ViewOnlyAdmin):
     def has_revoke_lease_permission(self, request: HttpRequest) -> bool:
         return holds(request, "leases.revoke_lease")
 
+    @admin.display(description="run", ordering="run_id")
+    def run_id_link(self, lease: RunLease) -> str:
+        url = reverse("admin:runs_run_change", args=[lease.run_id])
+        return format_html('<a href="{}">{}</a>', url, lease.run_id)
+
+    @admin.display(description="expires", ordering="expires_at")
+    def expires(self, lease: RunLease) -> str:
+        return compact_time(lease.expires_at)
+
     @admin.display(description="token digest")
     def token_prefix(self, lease: RunLease) -> str:
         return f"{lease.token_digest[:8]}…"
@@ -121,22 +122,57 @@ class RunLeaseAdmin(ViewOnlyAdmin):
         self.message_user(request, f"Revoked {revoked} lease(s).", messages.SUCCESS)
 
 
+class CycleOutcomeFilter(admin.SimpleListFilter):
+    """The cycle list opens on cycles that did something; idle ones on request.
+
+    Idle cycles are summed into few rows already (`dispatch.cycles.CycleRecorder`);
+    they still say nothing an operator looks for. A status picked in the status
+    filter wins over the default.
+    """
+
+    title = "outcome"
+    parameter_name = "outcome"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("idle", "Idle only"), ("all", "All, idle included")]
+
+    def choices(self, changelist: Any) -> Any:
+        yield {
+            "selected": self.value() is None,
+            "query_string": changelist.get_query_string(remove=[self.parameter_name]),
+            "display": "Not idle (default)",
+        }
+        for lookup, title in self.lookup_choices:
+            yield {
+                "selected": self.value() == lookup,
+                "query_string": changelist.get_query_string({self.parameter_name: lookup}),
+                "display": title,
+            }
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        idle = CycleStatus.IDLE.value
+        if self.value() == "all" or "status__exact" in request.GET:
+            return queryset
+        if self.value() == "idle":
+            return queryset.filter(status=idle)
+        return queryset.exclude(status=idle)
+
+
 @admin.register(DispatchCycle)
 class DispatchCycleAdmin(ViewOnlyAdmin):
+    # Fits a 1400-px window beside the filters; the counts are on the cycle's page.
     list_display = (
         "id",
-        "started_at",
+        "started",
         "scope",
         "status",
         "reason",
         "cycles",
-        "truncated",
         "duration_ms",
         "claims_won",
         "offers",
-        "counts",
     )
-    list_filter = ("scope", "status", "truncated")
+    list_filter = (CycleOutcomeFilter, "scope", "status", "truncated")
     fields = (
         "started_at",
         "observed_at",
@@ -150,6 +186,10 @@ class DispatchCycleAdmin(ViewOnlyAdmin):
         "counts",
     )
     readonly_fields = fields
+
+    @admin.display(description="started", ordering="started_at")
+    def started(self, cycle: DispatchCycle) -> str:
+        return compact_time(cycle.started_at)
 
     @admin.display(description="won")
     def claims_won(self, cycle: DispatchCycle) -> int:
@@ -217,9 +257,15 @@ class DispatchControlAdmin(DigestLookupGuard):
         # The form is a toggle; the service is the one writer of the switch.
         dispatch_set_paused(paused=obj.paused, reason=obj.reason, actor=_actor(request))
 
+    def log_change(self, request: HttpRequest, obj: DispatchControl, message: Any) -> Any:
+        # Who (the entry's user) and why (the switch's reason) in the admin log.
+        what = "Paused dispatch" if obj.paused else "Resumed dispatch"
+        return super().log_change(request, obj, f"{what} (reason: {obj.reason or '-'})")
+
     @admin.action(description="Pause dispatch (kill switch)", permissions=["pause_dispatch"])
     def pause_dispatch(self, request: HttpRequest, queryset: QuerySet[DispatchControl]) -> None:
-        dispatch_set_paused(paused=True, reason="paused from the admin", actor=_actor(request))
+        # The action's reason (required, qinglong.admin) is the switch's reason.
+        dispatch_set_paused(paused=True, reason=action_reason(request), actor=_actor(request))
         self.message_user(request, "Dispatch paused (1 switch).", messages.WARNING)
 
     @admin.action(description="Resume dispatch", permissions=["pause_dispatch"])

@@ -166,7 +166,9 @@ class Agent:
         self._recent_tokens: deque[str] = deque(maxlen=16)
         self._pending_pull: _PendingPull | None = None
         self._send_held = True
-        self._lock = threading.Lock()
+        # Reentrant: the signal handlers (drain, abort) run on the main thread,
+        # possibly while it holds this very lock.
+        self._lock = threading.RLock()
         # Notified on every change the pull loop waits for (a runner's phase,
         # a lost Session, stopping).
         self._changed = threading.Condition(self._lock)
@@ -706,6 +708,10 @@ class Agent:
                 next_pull = time.monotonic() + (0.0 if got else self.poll_interval_s)
         except _Stopping:
             pass
+        except SessionRefused as err:
+            # e.g. the credential was rotated while the agent ran.
+            log("session_refused", error=str(err))
+            return 2
         finally:
             if self.aborting.is_set():
                 self.abort()

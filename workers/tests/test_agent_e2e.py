@@ -15,6 +15,7 @@ import pytest
 from django.test import override_settings
 
 from leases.end import run_cancel
+from output.redaction import REDACTED
 from qinglong.testing import make_project, make_worker
 from runs.models import Run
 from runs.services import run_enqueue, task_create
@@ -76,7 +77,9 @@ def test_agent_once_runs_a_queued_run_to_succeeded(live_server, credential_file)
     attempt = run.attempts.get()
     assert (run.state, attempt.state, attempt.exit_code) == ("succeeded", "succeeded", 0)
     assert attempt.executor_handle.startswith("pid:")
-    assert attempt.output_tail == "hi agent\n"
+    # The env value reached the process; the tail is stored redacted of the
+    # Task's env values (output.redaction).
+    assert attempt.output_tail == f"hi {REDACTED}\n"
     assert credential not in out + err
 
 

@@ -360,3 +360,35 @@ def test_finding_3_a_terminal_ack_that_meets_an_outage_is_retried_until_accepted
     assert (done["ran"], done["phase"], done["report"]) == (True, "succeeded", "acked")
     assert any(e["event"] == "control_plane_unreachable" for e in events)
     assert len(executions(log)) == 1
+
+
+@override_settings(QINGLONG_HEARTBEAT_INTERVAL_S=1, QINGLONG_HEARTBEAT_MIN_INTERVAL_S=0)
+def test_sigterm_drains_a_second_one_ends_the_work_and_the_next_start_reports_it(
+    live_server, setup
+) -> None:
+    run, agent, log = setup(live_server.url, long_s=60, max_attempts=1)
+    agent.start()
+    eventually(lambda: len(executions(log)) == 1 and attempt_running(run), 30, "running")
+    [work] = executions(log)
+    assert agent.proc is not None
+    agent.proc.send_signal(signal.SIGTERM)  # drain: the running job goes on
+    time.sleep(1.5)
+    assert agent.proc.poll() is None and alive(work.pid)
+    agent.proc.send_signal(signal.SIGTERM)  # now: end it and exit
+    assert agent.proc.wait(15) == 0
+    assert not alive(work.pid)
+    assert Attempt.objects.get(run=run).state == "running"  # its report is owed
+
+    agent.start()
+
+    def reconciled_events() -> list[dict[str, object]]:
+        return [e for e in agent.events() if e["event"] == "execution_reconciled"]
+
+    eventually(lambda: bool(reconciled_events()), 30, "reported")
+    reconciled = reconciled_events()
+    assert [(e["offer_id"], e["outcome"], e["status"]) for e in reconciled] == [
+        (work.offer_id, "killed", "confirmed")
+    ]
+    assert len(executions(log)) == 1  # nothing ran again
+    lease = RunLease.objects.get(offer_id=work.offer_id)
+    assert (lease.execution_outcome, lease.execution_exit_code) == ("killed", -signal.SIGTERM)
