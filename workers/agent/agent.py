@@ -511,9 +511,15 @@ class Agent:
     def _run_attempt(self, runner: AttemptRunner) -> None:
         try:
             outcome = runner.run()
-        except Exception as err:  # noqa: BLE001  (logged; the journal keeps the rest)
+        except Exception as err:  # noqa: BLE001  (a bug: settle it, keep serving)
             log("attempt_error", offer_id=runner.offer_id, error=type(err).__name__)
             outcome = AttemptOutcome(runner.offer_id, ran=False, final_phase=None, stopped="error")
+            execution = self.journal.get(runner.offer_id)
+            if execution is not None and execution.phase is not Phase.REPORTED:
+                # Nothing of it may keep running, and it must not hold a slot
+                # or stay in `held`: the control plane ends it (`not_held`).
+                self._settle_locally(execution)
+                self.journal.mark_reported(runner.offer_id, report="error")
         with self._lock:
             self.outcomes.append(outcome)
             self.runners.pop(runner.offer_id, None)

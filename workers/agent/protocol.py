@@ -349,7 +349,7 @@ class AttemptRunner:
         body = {
             "phase": phase,
             "lease_token": self.lease_token,
-            "spec_sha256": self.offer["spec_sha256"],
+            "spec_sha256": str(self.offer.get("spec_sha256", "")),
             **extra,
         }
         response = self.transport.post(

@@ -538,3 +538,28 @@ def test_reconcile_reports_in_batches_of_at_most_64() -> None:
     agent.reconcile()
     assert [len(body["executions"]) for body in plane.record("reconcile")] == [64, 6]
     assert agent.journal.open_executions() == []
+
+
+def test_a_runner_that_fails_on_a_bug_frees_its_slot_and_the_agent_goes_on() -> None:
+    plane = FakeControlPlane()
+    agent, spawner = make_agent(plane, slots=1)
+    agent.open_session()
+
+    def broken(spec: Mapping[str, Any], *, offer_id: str = "") -> FakeProcess:
+        raise RuntimeError("a bug")
+
+    agent.spawn = broken
+    plane.offers = [an_offer(1)]
+    agent.pull()
+    join_runners(agent)
+    execution = agent.journal.get(offer_id(1))
+    assert execution is not None and (execution.phase, execution.report) == (
+        Phase.REPORTED,
+        "error",
+    )
+    assert agent.free_slots() == 1  # not held any more, so not_held on the server
+    agent.spawn = spawner
+    plane.offers = [an_offer(2)]
+    assert agent.pull() == 1
+    join_runners(agent)
+    assert spawner.spawned == [offer_id(2)]
