@@ -56,6 +56,13 @@ app.conf.update(
             "schedule": 1.0,
             "options": {"expires": _CYCLE_EXPIRES_S},
         },
+        "evaluate-schedules": {
+            # One bounded step over the Schedules due now (README "Schedules");
+            # a duplicate beat is one more step: every fire has one ledger row.
+            "task": "schedules.tasks.evaluate_schedules_task",
+            "schedule": 1.0,
+            "options": {"expires": _CYCLE_EXPIRES_S},
+        },
         "deliver-webhooks": {
             # One bounded step of due webhook deliveries (README "Webhooks"); a
             # duplicate beat finds them claimed: each try is sent once.

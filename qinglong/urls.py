@@ -16,6 +16,7 @@ urlpatterns = [
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/worker/", include("workers.api.urls")),
     path("api/v1/", include("runs.api.urls")),
+    path("api/v1/", include("schedules.api.urls")),
     # Public on purpose: a Worker author writes a client from the schema alone.
     path(
         "api/schema/",

@@ -46,6 +46,8 @@ from qinglong.testing import (
     pending_attempt,
 )
 from runs.models import Project, Run, Task
+from schedules.models import Schedule, ScheduleFire
+from schedules.services import schedule_create, schedule_run_now
 from workers.models import Worker, WorkerAdminState, WorkerSession
 from workers.services import worker_set_admin_state
 
@@ -70,6 +72,8 @@ class World:
     spare_project: Project
     spare_user: User
     spare_group: Group
+    schedule: Schedule
+    paused_schedule: Schedule
     webhook: WebhookSubscription
 
 
@@ -83,6 +87,14 @@ def build_world() -> World:
     Run.objects.filter(pk=failed_run.pk).update(state="failed")
     dispatch_set_paused(paused=False, reason="", actor="test")
     dispatch_cycle(scope=DispatchScope.global_())  # a DispatchCycle row
+    schedule = schedule_create(
+        task=queued_run.task, name="hourly", definition={"cron": "0 * * * *"}
+    )
+    schedule_run_now(schedule_id=schedule.pk, actor="test")  # a ScheduleFire row
+    paused_schedule = schedule_create(
+        task=queued_run.task, name="paused", definition={"cron": "0 * * * *"}
+    )
+    Schedule.objects.filter(pk=paused_schedule.pk).update(paused=True, attention_at=None)
     return World(
         task=queued_run.task,
         queued_run=queued_run,
@@ -93,6 +105,8 @@ def build_world() -> World:
         spare_project=make_project(),
         spare_user=User.objects.create_user("spare", is_staff=True),
         spare_group=Group.objects.create(name="spare"),
+        schedule=schedule,
+        paused_schedule=paused_schedule,
         webhook=_webhook(queued_run.project),
     )
 
@@ -121,6 +135,17 @@ def _worker_state(w: World) -> object:
 
 def _switch(w: World) -> object:
     return DispatchControl.objects.filter(pk=1).values_list("paused", "reason", "updated_by").get()
+
+
+def _schedule_state(schedule: Callable[[World], Schedule]) -> Callable[[World], object]:
+    def state(w: World) -> object:
+        row = schedule(w)
+        return (
+            Schedule.objects.filter(pk=row.pk).values_list("paused", "pause_reason").get(),
+            ScheduleFire.objects.filter(schedule=row).count(),
+        )
+
+    return state
 
 
 @dataclass(frozen=True)
@@ -203,6 +228,21 @@ ACTIONS: dict[tuple[str, str], ActionSpec] = {
         lambda w: [1],
         _switch,
         prepare=lambda w: dispatch_set_paused(paused=True, reason="maintenance", actor="test"),
+    ),
+    ("schedules.schedule", "pause_schedules"): ActionSpec(
+        "schedules.pause_schedule",
+        lambda w: [w.schedule.pk],
+        _schedule_state(lambda w: w.schedule),
+    ),
+    ("schedules.schedule", "resume_schedules"): ActionSpec(
+        "schedules.pause_schedule",
+        lambda w: [w.paused_schedule.pk],
+        _schedule_state(lambda w: w.paused_schedule),
+    ),
+    ("schedules.schedule", "run_now"): ActionSpec(
+        "runs.add_run",
+        lambda w: [w.schedule.pk],
+        lambda w: Run.objects.filter(schedule=w.schedule).count(),
     ),
     # Django's own "delete selected", where deleting makes sense at all: it
     # asks for the model's delete permission.

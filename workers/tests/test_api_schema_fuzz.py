@@ -41,6 +41,8 @@ from schemathesis.specs.openapi.checks import (
 
 from qinglong.testing import make_project, make_run, make_task, make_worker, open_session
 from runs.models import Project, Task, TaskRevision
+from schedules.models import Schedule, ScheduleFire
+from schedules.services import schedule_create
 from workers.models import WorkerSession
 from workers.services import worker_rotate_credential
 from workers.tests.api_helpers import WorkerClient, operator_headers, state_snapshot
@@ -164,8 +166,16 @@ def test_generated_requests_get_documented_conforming_non_5xx_responses(client: 
     opened = open_session(session_worker)
     # A real lease for ACK cases that target an existing offer id.
     [offer] = WorkerClient(client, opened.token, session_worker).pull()[0].json()["offers"]
+    schedule = schedule_create(task=task, name="fuzz", definition={"cron": "* * * * *"})
     operator = operator_headers()["HTTP_AUTHORIZATION"]
     fixed_paths: dict[str, dict[str, str]] = {
+        "schedules_retrieve": {"schedule_id": str(schedule.pk)},
+        "schedules_update": {"schedule_id": str(schedule.pk)},
+        "schedules_delete": {"schedule_id": str(schedule.pk)},
+        "schedules_pause": {"schedule_id": str(schedule.pk)},
+        "schedules_resume": {"schedule_id": str(schedule.pk)},
+        "schedules_run_now": {"schedule_id": str(schedule.pk)},
+        "schedules_fires": {"schedule_id": str(schedule.pk)},
         "worker_lease_ack": {"offer_id": offer["offer_id"]},
         "runs_retrieve": {"run_id": str(runs[0].pk)},
         "runs_cancel": {"run_id": str(runs[1].pk)},
@@ -174,7 +184,7 @@ def test_generated_requests_get_documented_conforming_non_5xx_responses(client: 
     }
 
     with _served_schema() as operations:
-        assert len(operations) == 12
+        assert len(operations) == 21  # 9 of schedules (sched13)
         cases: Counter[str] = Counter()
         statuses: Counter[int] = Counter()
         for operation in operations:
@@ -200,6 +210,8 @@ def _operator_rows() -> dict[str, Any]:
         "projects": list(Project.objects.order_by("id").values_list("id", "slug", "name")),
         "tasks": list(Task.objects.order_by("id").values_list("id", "current_revision_id")),
         "revisions": TaskRevision.objects.count(),
+        "schedules": list(Schedule.objects.order_by("id").values()),
+        "fires": ScheduleFire.objects.count(),
     }
 
 
@@ -244,8 +256,16 @@ def test_a_view_only_staff_user_reads_and_is_refused_every_write(client: Any) ->
             "content_type"
         )
     )
+    schedule = schedule_create(task=task, name="fuzz", definition={"cron": "* * * * *"})
     operator = operator_headers(perms=view_perms)["HTTP_AUTHORIZATION"]
     fixed_paths = {
+        "schedules_retrieve": {"schedule_id": str(schedule.pk)},
+        "schedules_update": {"schedule_id": str(schedule.pk)},
+        "schedules_delete": {"schedule_id": str(schedule.pk)},
+        "schedules_pause": {"schedule_id": str(schedule.pk)},
+        "schedules_resume": {"schedule_id": str(schedule.pk)},
+        "schedules_run_now": {"schedule_id": str(schedule.pk)},
+        "schedules_fires": {"schedule_id": str(schedule.pk)},
         "runs_retrieve": {"run_id": str(runs[0].pk)},
         "runs_cancel": {"run_id": str(runs[1].pk)},
         "tasks_create": {"slug": "p"},
@@ -257,7 +277,7 @@ def test_a_view_only_staff_user_reads_and_is_refused_every_write(client: Any) ->
     by_method: Counter[tuple[str, int]] = Counter()
     with _served_schema() as operations:
         operator_ops = [op for op in operations if not op.path.startswith("/api/v1/worker/")]
-        assert len(operator_ops) == 8
+        assert len(operator_ops) == 17  # 9 of schedules (sched13)
         for operation in operator_ops:
             for _mode, strategy in _strategies(operation, fixed_paths):
                 seen = Counter(statuses)

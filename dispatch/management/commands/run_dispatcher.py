@@ -1,6 +1,8 @@
 """`manage.py run_dispatcher`: the embedded default's dispatcher (README "Running it").
 
-A plain loop around one bounded step, like healthchecks' `sendalerts`: a global
+A plain loop around one bounded step, like healthchecks' `sendalerts`: one
+bounded Schedule evaluation step (`schedules.services.schedules_evaluate`, so a
+due fire is enqueued and then dispatched in the same iteration), a global
 `dispatch_cycle`, and every `--sweep-interval` seconds the sweepers. No Celery,
 no Redis: it must keep dispatching with no broker reachable. Running it beside
 Celery beat (or twice) is safe — each iteration is just one more cycle.
@@ -26,6 +28,7 @@ from dispatch.cycles import NullOfferNotifier, OfferNotifier, cycle_recorder, di
 from dispatch.notify import RedisOfferNotifier
 from dispatch.sweeps import run_all_sweeps
 from notifications.delivery import WebhookSender
+from schedules.services import schedules_evaluate
 
 logger = logging.getLogger("qinglong.dispatch.loop")
 
@@ -43,7 +46,8 @@ def _positive_float(raw: str) -> float:
 
 class Command(BaseCommand):
     help = (
-        "Loop global dispatch cycles and the sweepers (lease expiry, stale Sessions, "
+        "Loop Schedule evaluation, global dispatch cycles and the sweepers (lease expiry, "
+        "stale Sessions, "
         "over-delivered leases, DispatchCycle and ended-Session retention) for the "
         "embedded default, "
         "without Celery or Redis. SIGTERM/SIGINT stop it after the current cycle. "
@@ -162,6 +166,7 @@ class DispatchLoop:
             "errors": 0,
             "offers": 0,
             "sweeps": 0,
+            "fires": 0,
             "statuses": Counter(),
         }
 
@@ -174,6 +179,7 @@ class DispatchLoop:
                 self._sweep()
             delay = self.interval
             self._kick_webhooks()
+            self._evaluate_schedules()
             try:
                 summary = dispatch_cycle(
                     scope=DispatchScope.global_(), notifier=self.notifier
@@ -220,6 +226,21 @@ class DispatchLoop:
             logger.exception(
                 "cycle summaries not written", extra={"event": "dispatch_cycle_summary_failed"}
             )
+
+    def _evaluate_schedules(self) -> None:
+        # Before the cycle, so a fire enqueued now is dispatched in this iteration.
+        try:
+            result = schedules_evaluate()
+        except Exception:
+            self.totals["errors"] += 1
+            logger.exception(
+                "schedule evaluation failed", extra={"event": "schedule_evaluation_failed"}
+            )
+            _reset_connection()
+            return
+        self.totals["fires"] += result.fires
+        if result.examined:
+            self.emit("schedules", result.summary())
 
     def _kick_webhooks(self) -> None:
         try:
