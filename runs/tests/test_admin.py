@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib import admin
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.urls import reverse
+from django.utils import timezone
 
 from dispatch.core.ports import DispatchScope
 from dispatch.cycles import dispatch_cycle, dispatch_paused
@@ -86,7 +88,8 @@ def test_change_views_render_without_canary_or_token(admin_client, leased):
         reverse("admin:dispatch_dispatchcycle_change", args=[DispatchCycle.objects.first().pk]),
         reverse("admin:workers_worker_change", args=[lease.worker_id]),
         reverse("admin:workers_workersession_change", args=[lease.session_id]),
-        reverse("admin:runs_task_change", args=[run.task_id]),
+        reverse("admin:runs_attempt_change", args=[lease.attempt_id]),
+        reverse("admin:overview"),
     ]
     for url in pages:
         response = admin_client.get(url)
@@ -102,6 +105,69 @@ def test_change_views_render_without_canary_or_token(admin_client, leased):
         )
     lease_page = admin_client.get(pages[0]).content.decode()
     assert lease.token_digest[:8] in lease_page
+
+
+def test_the_task_page_shows_the_current_command_and_env_names_but_no_env_value(
+    admin_client, leased
+):
+    run, lease, token, credential, session_token = leased
+    body = admin_client.get(reverse("admin:runs_task_change", args=[run.task_id])).content.decode()
+    # Operators own the command: the current revision's, as a shell would read it.
+    assert "sh -c &#x27;echo CANARY-CMD-7f3a9&#x27;" in body
+    assert "SECRET_TOKEN (values hidden)" in body
+    for secret in (CANARY_ENV, CANARY_CWD, token, credential, session_token, lease.token_digest):
+        assert secret not in body
+    # Never from a Run's page, where lease facts are listed.
+    run_page = admin_client.get(reverse("admin:runs_run_change", args=[run.pk])).content.decode()
+    assert CANARY_COMMAND not in run_page
+
+
+def test_read_only_pages_offer_no_save_button(admin_client):
+    from runs.tests.test_admin_permissions import build_world
+
+    build_world()
+    checked = 0
+    for model, model_admin in admin.site._registry.items():
+        obj = model._default_manager.order_by("pk").first()
+        url = reverse(
+            f"admin:{model._meta.app_label}_{model._meta.model_name}_change", args=[obj.pk]
+        )
+        response = admin_client.get(url)
+        assert response.status_code == 200, url
+        body = response.content.decode()
+        editable = model_admin.has_change_permission(response.wsgi_request, obj)
+        assert ('name="_save"' in body) == editable, url
+        if not editable:
+            assert 'name="_continue"' not in body and 'name="_addanother"' not in body, url
+            checked += 1
+    assert checked >= 8  # Tasks, Runs, Attempts, Workers, Sessions, Leases, cycles, ...
+
+
+def test_the_cycle_list_opens_on_cycles_that_did_something(admin_client):
+    now = timezone.now()
+    DispatchCycle.objects.bulk_create(
+        [
+            DispatchCycle(started_at=now, scope="global", status=status, reason=reason, cycles=n)
+            for status, reason, n in [
+                ("idle", "no_candidates", 120),
+                ("offered", "claimed", 1),
+                ("no_match", "no_eligible_worker", 3),
+            ]
+        ]
+    )
+    url = reverse("admin:dispatch_dispatchcycle_changelist")
+
+    def listed(query: str = "") -> set[str]:
+        response = admin_client.get(url + query)
+        assert response.status_code == 200
+        return {cycle.status for cycle in response.context["cl"].result_list}
+
+    assert listed() == {"offered", "no_match"}
+    assert "Not idle (default)" in admin_client.get(url).content.decode()
+    assert listed("?outcome=all") == {"idle", "offered", "no_match"}
+    assert listed("?outcome=idle") == {"idle"}
+    # Picking a status in its own filter wins over the default.
+    assert listed("?status__exact=idle") == {"idle"}
 
 
 def test_leases_cannot_be_added_or_deleted_or_edited(admin_client, leased):

@@ -36,6 +36,7 @@ import pytest
 from django.db import OperationalError
 from django.test import override_settings
 
+from leases.end import lease_revoke
 from leases.models import RunLease
 from qinglong.testing import make_project, make_worker
 from runs.models import Attempt, Run
@@ -392,3 +393,25 @@ def test_sigterm_drains_a_second_one_ends_the_work_and_the_next_start_reports_it
     assert len(executions(log)) == 1  # nothing ran again
     lease = RunLease.objects.get(offer_id=work.offer_id)
     assert (lease.execution_outcome, lease.execution_exit_code) == ("killed", -signal.SIGTERM)
+
+
+@override_settings(QINGLONG_HEARTBEAT_INTERVAL_S=1, QINGLONG_HEARTBEAT_MIN_INTERVAL_S=0)
+def test_a_lease_revoked_under_a_running_job_is_stopped_by_the_heartbeat_answer(
+    live_server, setup
+) -> None:
+    run, agent, log = setup(live_server.url, long_s=60, max_attempts=1)
+    agent.start()
+    eventually(lambda: len(executions(log)) == 1 and attempt_running(run), 30, "running")
+    [work] = executions(log)
+    lease = RunLease.objects.get(offer_id=work.offer_id)
+    lease_revoke(lease.pk, reason="operator")
+    # The next heartbeat lists the offer as held; the answer says stop.
+    eventually(lambda: not alive(work.pid), 15, "the job stopped")
+    events = agent.events()
+    assert any(
+        e["event"] == "attempt_stop_requested" and e["offer_id"] == work.offer_id for e in events
+    )
+    eventually(lambda: any(e["event"] == "attempt_done" for e in agent.events()), 15, "reported")
+    [done] = [e for e in agent.events() if e["event"] == "attempt_done"]
+    assert (done["ran"], done["stopped"]) == (True, "stopped")
+    assert not any(e["event"] == "heartbeat_held_unsupported" for e in events)
