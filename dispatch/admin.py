@@ -89,6 +89,11 @@ class RunLeaseAdmin(ViewOnlyAdmin):
         "last_delivered_at",
         "ended_at",
         "end_reason",
+        # docs/adr/0005: a restarted Worker's report that the execution is gone.
+        "execution_confirmed_at",
+        "execution_outcome",
+        "execution_exit_code",
+        "execution_confirmed_by",
     )
     readonly_fields = fields
     actions = ("revoke_leases",)

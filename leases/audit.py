@@ -22,6 +22,7 @@ from dispatch.core.policy import spec_matches_lease
 from dispatch.core.spec import spec_sha256
 from leases import policy
 from leases.models import LeaseState, RunLease
+from leases.reasons import EndReason
 from runs.models import ATTEMPT_TERMINAL_STATES, RUN_TERMINAL_STATES, AttemptState
 from runs.services import attempt_spec
 from workers.models import SessionState
@@ -47,15 +48,19 @@ PROBLEMS: Final = (
     "session_offline",
     "cancelled",
     "spec_drift",
+    "over_delivered",
 )
 CATEGORIES: Final = HEALTHY + PROBLEMS
-# The reason recorded on a repaired lease (end_reason / AttemptEvent.reason).
+# The reason recorded on a repaired lease (end_reason / AttemptEvent.reason):
+# the one the sweeps and Session fencing record for the same ending
+# (leases.reasons, docs/adr/0005).
 REVOKE_REASONS: Final = {
     "orphaned": "audit_orphaned",
-    "session_replaced": "session_replaced",
-    "session_offline": "session_offline",
+    "session_replaced": EndReason.WORKER_RESTARTED.value,
+    "session_offline": EndReason.WORKER_LOST.value,
     "cancelled": "run_cancelled",
     "spec_drift": "spec_drift",
+    "over_delivered": EndReason.MAX_DELIVERIES.value,
 }
 PAGE_SIZE: Final = 200
 
@@ -99,6 +104,10 @@ def classify(lease: RunLease, *, now: datetime) -> str:
         return "spec_drift"
     if attempt.state in (AttemptState.STARTING, AttemptState.RUNNING):
         return "running"
+    if lease.delivery_count >= policy.max_deliveries():
+        # Pulled max_deliveries times, never started: the pull and the sweep
+        # revoke it (back to the queue after a backoff, or `undeliverable`).
+        return "over_delivered"
     if lease.last_delivered_at is not None:
         # Pulled or announced to its Session, not yet ACKed starting.
         return "awaiting_start"

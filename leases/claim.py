@@ -2,10 +2,11 @@
 
 One transaction locks the Run and the Attempt and checks their state and
 version, checks the Project quota, locks the Worker Session and checks that
-it takes claims, that the pull id carries one token, that this Session was
-not already handed the Attempt `max_deliveries` times, and that it has a free
-slot; then it moves the Attempt `pending → claimed` (lease generation + 1) and
-the Run `queued → dispatching`, and inserts the lease. Any check that fails
+it takes claims, that the pull id carries one token, and that it has a free
+slot (an over-delivered Attempt waits out its backoff in `not_before`, which
+the candidate read honours, and may then go to any Worker: docs/adr/0005);
+then it moves the Attempt `pending → claimed` (lease generation + 1) and the
+Run `queued → dispatching`, and inserts the lease. Any check that fails
 changes nothing and answers why (`ClaimStatus`), as the kernel's `ClaimPort`
 asks; the in-memory fake (`dispatch.core.fakes.FakeClaimPort`) answers the
 same scenarios the same way (dispatch/tests/test_port_contract.py).
@@ -24,7 +25,7 @@ from leases import policy
 from leases.errors import LostRace
 from leases.locks import lock_attempt, lock_project, lock_run, lock_session
 from leases.models import RunLease
-from leases.selectors import active_lease_count, pull_id_conflicts, was_over_delivered_to
+from leases.selectors import active_lease_count, pull_id_conflicts
 from leases.transitions import attempt_transition, run_transition
 from qinglong.clock import db_now
 from qinglong.metrics import CLAIMS, LOST_RACES
@@ -70,11 +71,6 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
                 # docs/adr/0003: one pull id, one token. Checked under the
                 # Session lock, so two racing pulls reusing an id cannot both claim.
                 return unavailable
-            if was_over_delivered_to(session_pk=session.pk, attempt_pk=attempt.pk):
-                # An Attempt this Session was handed max_deliveries times
-                # without starting it goes to another Worker (or to a later
-                # Session of this one), never back to the same Session.
-                return lost
             if free_slots(policy.session_capacity(session), active_lease_count(session.pk)) < 1:
                 return unavailable
             now = db_now()

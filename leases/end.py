@@ -8,26 +8,37 @@
 - `leases_end_for_session`: fencing. The active leases of a Session that is
   no longer current end with it.
 - `leases_revoke_over_delivered`: a lease delivered `max_deliveries` times
-  without a starting ACK is revoked and its Attempt returns to pending.
+  without a starting ACK is revoked; its Attempt returns to pending and
+  waits one redelivery backoff, or after `max_delivery_rounds` such revokes
+  ends and fails its Run `undeliverable` (docs/adr/0005).
+- `leases_end_not_held`: a heartbeat that lists what its agent holds ends
+  the started leases it does not list (`not_held`).
 - `attempt_finish`: a terminal Attempt and the retry policy of its Run.
 - `run_cancel`: an operator's cancel.
+
+Lost executions (docs/adr/0005): a started Attempt whose lease ends is `lost`
+with the ending's reason as its `error_code`. Unless the agent itself said it
+holds no process (`not_held`) or already confirmed the execution gone (the
+lease's reconcile report), the retry waits `QL_LOST_EXECUTION_GRACE_S` in
+`not_before`, so it never overlaps a process that may still run.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from datetime import datetime
+from collections.abc import Collection
+from datetime import datetime, timedelta
 from typing import Unpack
 
 from django.db import IntegrityError, transaction
 
-from dispatch.core.policy import MAX_DELIVERIES_REASON
 from leases import policy
 from leases.errors import LostRace, Outcome
 from leases.locks import lock_active_attempt, lock_active_lease, lock_lease_chain, lock_run
 from leases.models import LeaseState, RunLease
-from leases.selectors import leases_over_delivered
+from leases.reasons import GRACE_FREE_LOSSES, EndReason, WaitReason
+from leases.selectors import leases_not_held, leases_over_delivered
 from leases.transitions import (
     AttemptReport,
     attempt_transition,
@@ -47,6 +58,7 @@ __all__ = [
     "lease_expire",
     "lease_revoke",
     "leases_end_for_session",
+    "leases_end_not_held",
     "leases_revoke_over_delivered",
     "run_cancel",
 ]
@@ -67,6 +79,8 @@ def attempt_finish(
     reason: str,
     actor: str = "",
     now: datetime,
+    retry_not_before: datetime | None = None,
+    retry_wait_reason: str = "",
     **report: Unpack[AttemptReport],
 ) -> None:
     """Move an Attempt to a terminal state and apply the retry policy to its Run.
@@ -74,6 +88,8 @@ def attempt_finish(
     `start_failed`/`failed`/`lost` create the next Attempt while attempts <
     max_attempts (the Run goes back to `queued`), else the Run fails. A Run
     whose cancellation was requested ends `cancelled`, whatever the outcome.
+    The next Attempt may be claimed from `retry_not_before` on (its
+    `not_before`, `retry_wait_reason` saying why).
     """
     attempt_transition(attempt, to_state, reason=reason, actor=actor, finished_at=now, **report)
     if run.cancel_requested:
@@ -95,6 +111,8 @@ def attempt_finish(
                     priority=run.priority,
                     # Keep the Run's place in the queue: a retry is not new work.
                     queued_at=run.queued_at,
+                    not_before=retry_not_before,
+                    not_before_reason=retry_wait_reason if retry_not_before else "",
                 )
         except IntegrityError:
             raise LostRace(f"run {run.pk} already has a next attempt") from None
@@ -105,15 +123,75 @@ def attempt_finish(
 # --------------------------------------------------------------- lease ending
 
 
-def _return_or_lose(attempt: Attempt, run: Run, *, reason: str, now: datetime) -> None:
+def _return_or_lose(
+    attempt: Attempt, run: Run, lease: RunLease, *, reason: str, now: datetime
+) -> None:
     """What an ended lease does to its Attempt (see the module docstring)."""
     if attempt.state == AttemptState.CLAIMED:
+        if reason == EndReason.MAX_DELIVERIES:
+            _over_delivered(attempt, run, now=now)
+            return
         attempt_transition(attempt, AttemptState.PENDING, reason=reason, actor=_CONTROL_PLANE)
         run_transition(run, RunState.QUEUED)
     elif attempt.state in (AttemptState.STARTING, AttemptState.RUNNING):
-        attempt_finish(
-            attempt, run, AttemptState.LOST, reason=reason, actor=_CONTROL_PLANE, now=now
+        # docs/adr/0005: the process may outlive what the control plane can
+        # see, so its retry waits unless the agent itself said it holds none
+        # or already confirmed it gone.
+        grace = policy.lost_execution_grace()
+        hold = (
+            reason not in GRACE_FREE_LOSSES
+            and lease.execution_confirmed_at is None
+            and grace > timedelta(0)
         )
+        attempt_finish(
+            attempt,
+            run,
+            AttemptState.LOST,
+            reason=reason,
+            actor=_CONTROL_PLANE,
+            now=now,
+            retry_not_before=now + grace if hold else None,
+            retry_wait_reason=WaitReason.LOST_EXECUTION_GRACE,
+            error_code=reason[:64],
+        )
+
+
+def _over_delivered(attempt: Attempt, run: Run, *, now: datetime) -> None:
+    """A claimed Attempt whose lease was revoked for max_deliveries (docs/adr/0005).
+
+    It goes back to the queue for any Worker, the same one included, after
+    one redelivery backoff; the `max_delivery_rounds`-th such revoke ends it
+    and fails the Run `undeliverable` instead: never silently queued. Rounds
+    are counted from the Attempt's own revoked leases (the one just revoked
+    included), not kept in a counter.
+    """
+    rounds = RunLease.objects.filter(
+        attempt_id=attempt.pk, end_reason=EndReason.MAX_DELIVERIES
+    ).count()
+    if rounds < policy.max_delivery_rounds():
+        attempt_transition(
+            attempt,
+            AttemptState.PENDING,
+            reason=EndReason.MAX_DELIVERIES,
+            actor=_CONTROL_PLANE,
+            not_before=now + policy.redelivery_backoff(),
+            not_before_reason=WaitReason.REDELIVERY_BACKOFF,
+        )
+        run_transition(run, RunState.QUEUED)
+        return
+    # Nothing ran (no starting ACK), and another Attempt would be offered to
+    # the same Workers again: the Run fails for an operator to look at.
+    attempt_transition(
+        attempt,
+        AttemptState.START_FAILED,
+        reason=EndReason.UNDELIVERABLE,
+        actor=_CONTROL_PLANE,
+        finished_at=now,
+        error_code=EndReason.UNDELIVERABLE,
+    )
+    run_transition(
+        run, RunState.CANCELLED if run.cancel_requested else RunState.FAILED, finished_at=now
+    )
 
 
 class EndKind(enum.StrEnum):
@@ -127,12 +205,15 @@ def lease_end(
     kind: EndKind,
     reason: str,
     only_if_attempt_state: AttemptState | None = None,
+    only_if_started_before: datetime | None = None,
 ) -> Outcome:
     """Expire or revoke one active lease and return/lose its Attempt.
 
     `only_if_attempt_state` re-checks, under the row locks, the condition a
     sweeper selected the lease by (e.g. "still claimed"), so a starting ACK that
     committed in between is never turned into a lost Attempt.
+    `only_if_started_before` re-checks that the Attempt is started (starting
+    or running under this lease) and was started at or before that instant.
     """
     try:
         with transaction.atomic(durable=True):
@@ -147,13 +228,20 @@ def lease_end(
                 or attempt.lease_generation != lease.lease_generation
             ):
                 return Outcome.UNCHANGED
+            if only_if_started_before is not None and (
+                attempt.state not in (AttemptState.STARTING, AttemptState.RUNNING)
+                or attempt.lease_generation != lease.lease_generation
+                or attempt.started_at is None
+                or attempt.started_at > only_if_started_before
+            ):
+                return Outcome.UNCHANGED
             now = db_now()
             if kind is EndKind.EXPIRE and policy.lease_is_live(lease, now=now):
                 return Outcome.UNCHANGED
             to_state = LeaseState.EXPIRED if kind is EndKind.EXPIRE else LeaseState.REVOKED
             lease_transition(lease, to_state, reason=reason, now=now)
             if attempt.lease_generation == lease.lease_generation:
-                _return_or_lose(attempt, run, reason=reason, now=now)
+                _return_or_lose(attempt, run, lease, reason=reason, now=now)
     except LostRace:
         LOST_RACES.labels(operation="lease_end").inc()
         return Outcome.LOST_RACE
@@ -167,7 +255,7 @@ def lease_end(
 
 
 def lease_expire(lease_id: int) -> Outcome:
-    return lease_end(lease_id, kind=EndKind.EXPIRE, reason="lease_expired")
+    return lease_end(lease_id, kind=EndKind.EXPIRE, reason=EndReason.LEASE_EXPIRED)
 
 
 def lease_revoke(
@@ -202,6 +290,31 @@ def leases_end_for_session(session_pk: int, *, reason: str) -> int:
     return ended
 
 
+def leases_end_not_held(*, session_pk: int, held: Collection[str], now: datetime) -> int:
+    """End this Session's started leases that its agent's heartbeat did not list.
+
+    After the heartbeat committed, one transaction per lease (Run → Attempt →
+    RunLease, like every ending). Only Attempts started at least
+    `policy.not_held_min_age()` ago: a heartbeat put together while a
+    starting ACK was on the wire does not list it yet. The agent says it
+    holds no process for these, so their retries wait for no grace
+    (docs/adr/0005). Returns how many ended.
+    """
+    started_before = now - policy.not_held_min_age()
+    ended = 0
+    for lease_id in leases_not_held(
+        session_pk=session_pk, held=held, started_before=started_before
+    ):
+        outcome = lease_end(
+            lease_id,
+            kind=EndKind.REVOKE,
+            reason=EndReason.NOT_HELD,
+            only_if_started_before=started_before,
+        )
+        ended += outcome is Outcome.APPLIED
+    return ended
+
+
 def leases_revoke_over_delivered(
     *, max_deliveries: int, session_pk: int | None = None, limit: int = policy.SWEEP_BATCH
 ) -> list[Outcome]:
@@ -214,7 +327,7 @@ def leases_revoke_over_delivered(
     """
     return [
         lease_revoke(
-            lease_id, reason=MAX_DELIVERIES_REASON, only_if_attempt_state=AttemptState.CLAIMED
+            lease_id, reason=EndReason.MAX_DELIVERIES, only_if_attempt_state=AttemptState.CLAIMED
         )
         for lease_id in leases_over_delivered(
             max_deliveries=max_deliveries, session_pk=session_pk, limit=limit

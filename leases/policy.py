@@ -4,6 +4,8 @@
   (`dispatch.core.policy.lease_is_live`; here also as queryset filters).
 - Capacity: a Session holds at most min(Session slots, Worker slots) leases.
 - Lease TTL: `QINGLONG_DISPATCH["lease_ttl_s"]` (the dispatch budget).
+- Delivery accounting and lost executions (docs/adr/0005): the redelivery
+  backoff, the over-delivery rounds, the lost-execution grace.
 - Caps: a sweep or a pre-pull check reads at most `SWEEP_BATCH` ids at once,
   the same hard cap as one dispatch page (`dispatch.core.budget.HARD_CAPS`).
 - Fencing: which Session may act. Only the Worker's current Session, at the
@@ -36,6 +38,11 @@ __all__ = [
     "lease_live_q",
     "lease_session_current_q",
     "lease_ttl",
+    "lost_execution_grace",
+    "max_deliveries",
+    "max_delivery_rounds",
+    "not_held_min_age",
+    "redelivery_backoff",
     "session_capacity",
     "session_is_current",
     "session_may_act",
@@ -71,6 +78,48 @@ def lease_expired_q(now: datetime) -> Q:
 def lease_ttl() -> timedelta:
     """How long a claim, a starting/running ACK or a heartbeat renewal keeps a lease."""
     return timedelta(seconds=int(settings.QINGLONG_DISPATCH["lease_ttl_s"]))
+
+
+# ---------------------------------------------------------- delivery, loss
+
+
+def redelivery_backoff() -> timedelta:
+    """A re-delivery counts only this long after the last counted one (docs/adr/0005).
+
+    It is also how long an over-delivered Attempt waits before any Worker,
+    the same one included, may claim it again.
+    """
+    return timedelta(seconds=int(settings.QINGLONG_DISPATCH["redelivery_backoff_s"]))
+
+
+def max_deliveries() -> int:
+    """Counted deliveries of a claimed lease before it is revoked (`max_deliveries`)."""
+    return int(settings.QINGLONG_DISPATCH["max_deliveries"])
+
+
+def max_delivery_rounds() -> int:
+    """Over-delivery revokes an Attempt survives; the next one fails its Run `undeliverable`."""
+    return int(settings.QINGLONG_DISPATCH["max_delivery_rounds"])
+
+
+def lost_execution_grace() -> timedelta:
+    """How long the retry of a lost execution waits unless the Worker confirms it gone.
+
+    `QL_LOST_EXECUTION_GRACE_S` (docs/adr/0005): a process the control plane
+    lost sight of may still run; no retry of its Run starts before this has
+    passed or the Worker's reconcile report says the process is gone.
+    """
+    return timedelta(seconds=int(settings.QINGLONG_LOST_EXECUTION_GRACE_S))
+
+
+def not_held_min_age() -> timedelta:
+    """A started Attempt younger than this is never ended as `not_held`.
+
+    The heartbeat that omits it may have been put together while its
+    starting ACK was still on the wire; the next heartbeat lists it (one
+    heartbeat interval later) or ends it.
+    """
+    return timedelta(seconds=int(settings.QINGLONG_HEARTBEAT_INTERVAL_S))
 
 
 # ------------------------------------------------------------------ capacity

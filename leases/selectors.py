@@ -7,6 +7,10 @@ under their own locks.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
+from datetime import datetime
+
+from django.db.models import F
 
 from dispatch.core.offer import tokens_equal
 from dispatch.core.policy import MAX_DELIVERIES_REASON, free_slots
@@ -19,15 +23,20 @@ __all__ = [
     "MAX_DELIVERIES_REASON",
     "active_lease_count",
     "cancelled_offer_ids",
+    "leases_not_held",
     "leases_over_delivered",
+    "offers_to_stop",
     "pull_id_conflicts",
     "session_free_slots",
-    "was_over_delivered_to",
 ]
 
 # A heartbeat answer names at most this many cancelled offers (newest work is
 # never more than a Session's slots; this only bounds a pathological row count).
 _CANCEL_LIST_CAP = 256
+# A heartbeat lists at most this many held offers (the Worker API's limit, and
+# a Session's most slots): what it reads and answers about them is bounded too.
+_HELD_CAP = 256
+_STARTED = (AttemptState.STARTING, AttemptState.RUNNING)
 
 
 def active_lease_count(session_pk: int) -> int:
@@ -59,13 +68,6 @@ def pull_id_conflicts(*, session_pk: int, pull_id: uuid.UUID | str, token_digest
     return any(not tokens_equal(token_digest, stored) for stored in digests)
 
 
-def was_over_delivered_to(*, session_pk: int, attempt_pk: int) -> bool:
-    """Was this Attempt revoked from this Session for reaching max_deliveries?"""
-    return RunLease.objects.filter(
-        attempt_id=attempt_pk, session_id=session_pk, end_reason=MAX_DELIVERIES_REASON
-    ).exists()
-
-
 def leases_over_delivered(
     *, max_deliveries: int, session_pk: int | None = None, limit: int = policy.SWEEP_BATCH
 ) -> list[int]:
@@ -78,6 +80,51 @@ def leases_over_delivered(
     if session_pk is not None:
         qs = qs.filter(session_id=session_pk)
     return list(qs.order_by("id").values_list("id", flat=True)[:limit])
+
+
+def leases_not_held(
+    *, session_pk: int, held: Collection[str], started_before: datetime
+) -> list[int]:
+    """This Session's started leases a heartbeat did not list (docs/adr/0005).
+
+    Started at or before `started_before`, at the lease's own generation. At
+    most a Session's capacity of rows exist (every one holds a slot).
+    """
+    return list(
+        RunLease.objects.filter(
+            session_id=session_pk,
+            state=LeaseState.ACTIVE,
+            attempt__state__in=_STARTED,
+            attempt__lease_generation=F("lease_generation"),
+            attempt__started_at__lte=started_before,
+        )
+        .exclude(offer_id__in=list(held))
+        .order_by("id")
+        .values_list("id", flat=True)[:_HELD_CAP]
+    )
+
+
+def offers_to_stop(session: WorkerSession, held: Collection[str]) -> list[str]:
+    """The ids of `held` this Session's agent must stop now (heartbeat `stop`).
+
+    Every id that is not an active lease of this Session whose Attempt is
+    still claimed or started under it: ended, released, revoked, stale,
+    unknown, or another Worker's — one answer for all, so a heartbeat never
+    tells whether an id exists elsewhere. In the order listed, once each.
+    """
+    listed = list(dict.fromkeys(held))[:_HELD_CAP]
+    if not listed:
+        return []
+    live = set(
+        RunLease.objects.filter(
+            session=session,
+            offer_id__in=listed,
+            state=LeaseState.ACTIVE,
+            attempt__state__in=(AttemptState.CLAIMED, *_STARTED),
+            attempt__lease_generation=F("lease_generation"),
+        ).values_list("offer_id", flat=True)
+    )
+    return [offer_id for offer_id in listed if offer_id not in live]
 
 
 def cancelled_offer_ids(session: WorkerSession) -> list[str]:

@@ -29,8 +29,10 @@ __all__ = [
     "AttemptChanges",
     "AttemptReport",
     "RunChanges",
+    "attempt_lift_wait",
     "attempt_transition",
     "lease_extend",
+    "lease_record_execution_end",
     "lease_transition",
     "run_request_cancel",
     "run_transition",
@@ -73,8 +75,11 @@ class AttemptChanges(AttemptReport, total=False):
 
     lease_generation: int  # a claim: the new lease's generation
     started_at: datetime  # ACK starting
+    deadline_at: datetime  # ACK starting: when the control plane stops it
     executor_handle: str  # ACK running
     finished_at: datetime  # any terminal state
+    not_before: datetime | None  # back to pending: the wait before the next claim
+    not_before_reason: str  # why it waits (leases.reasons.WaitReason)
 
 
 class RunChanges(TypedDict, total=False):
@@ -168,6 +173,49 @@ def lease_transition(lease: RunLease, to_state: LeaseState, *, reason: str, now:
     lease.version += 1
     lease.ended_at = now
     lease.end_reason = reason
+
+
+def attempt_lift_wait(attempt: Attempt) -> None:
+    """Make a pending Attempt claimable now (a reconcile report, docs/adr/0005).
+
+    Not a state change, but a compare-and-set on (state, version) all the
+    same, and the version moves: a claim that read the Attempt before
+    loses its own compare-and-set instead of acting on a stale row.
+    """
+    updated = Attempt.objects.filter(
+        pk=attempt.pk, version=attempt.version, state=AttemptState.PENDING
+    ).update(not_before=None, not_before_reason="", version=attempt.version + 1)
+    if updated != 1:
+        raise LostRace(f"attempt {attempt.pk} changed under us")
+    attempt.not_before = None
+    attempt.not_before_reason = ""
+    attempt.version += 1
+
+
+def lease_record_execution_end(
+    lease: RunLease, *, at: datetime, outcome: str, exit_code: int | None, by: str
+) -> None:
+    """Record, once, that the execution a lease granted is confirmed gone (docs/adr/0005).
+
+    A fact about the past, in any lease state; the lease's own state and
+    expiry do not change. The version moves so racing reports record once.
+    """
+    updated = RunLease.objects.filter(
+        pk=lease.pk, version=lease.version, execution_confirmed_at__isnull=True
+    ).update(
+        execution_confirmed_at=at,
+        execution_outcome=outcome,
+        execution_exit_code=exit_code,
+        execution_confirmed_by=by[:80],
+        version=lease.version + 1,
+    )
+    if updated != 1:
+        raise LostRace(f"lease {lease.pk} changed under us")
+    lease.execution_confirmed_at = at
+    lease.execution_outcome = outcome
+    lease.execution_exit_code = exit_code
+    lease.execution_confirmed_by = by[:80]
+    lease.version += 1
 
 
 def lease_extend(lease: RunLease, *, expires_at: datetime) -> None:

@@ -217,6 +217,15 @@ QINGLONG_LEASE_SECRET = env_str(
 )
 QINGLONG_HEARTBEAT_INTERVAL_S = env_int("QL_HEARTBEAT_INTERVAL_S", 10, minimum=1)
 QINGLONG_SESSION_TIMEOUT_S = env_int("QL_SESSION_TIMEOUT_S", 30, minimum=2)
+# docs/adr/0005: the retry of an execution the control plane lost sight of
+# (its Session replaced, offline or fenced) waits this long unless the Worker
+# confirms the old process gone. Two Session timeouts: an agent that cannot
+# heartbeat stops its own work one Session timeout after its last accepted
+# heartbeat, i.e. about when the offline sweep declares it lost; the second
+# timeout covers the kill grace, the sweep interval and clock skew.
+QINGLONG_LOST_EXECUTION_GRACE_S = env_int(
+    "QL_LOST_EXECUTION_GRACE_S", 2 * QINGLONG_SESSION_TIMEOUT_S, minimum=0
+)
 # A heartbeat sooner than this after the last recorded one of its Session is
 # answered without a write (workers.services.session_heartbeat): one Worker
 # beating in a loop must not slow every other Worker's heartbeats.
@@ -322,6 +331,8 @@ REST_FRAMEWORK: dict[str, Any] = {
         # Live output, per lease (= per Attempt): the reference agent sends at most
         # one chunk a second (workers/agent/output.py).
         "worker_output": env_str("QL_THROTTLE_WORKER_OUTPUT", "120/min"),
+        # A reconcile report is sent once after an agent restart (docs/adr/0005).
+        "worker_reconcile": env_str("QL_THROTTLE_WORKER_RECONCILE", "30/min"),
     },
 }
 for _scope, _rate in REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"].items():

@@ -142,6 +142,8 @@ class AttemptInline(ReadOnlyInline):
         "executor_handle",
         "exit_code",
         "error_code",
+        "not_before",
+        "not_before_reason",
         "started_at",
         "finished_at",
     )

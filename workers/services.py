@@ -3,7 +3,10 @@
 A new Session of a Worker fences every earlier one (docs/adr/0003): its token
 stops working at once, and the lease authority ends the old Session's leases
 (`leases.end.leases_end_for_session`: claimed → back to pending, started →
-lost) so that nothing it was granted is ever delivered again.
+lost) so that nothing it was granted is ever delivered again. The reason a
+lost Attempt carries says why (docs/adr/0005): `worker_restarted` (a new
+Session of the same Worker), `worker_lost` (offline), `credential_rotated`,
+`worker_disabled`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -25,11 +28,12 @@ from dispatch.core.placement import validate_labels
 from dispatch.core.policy import capacity
 from dispatch.core.spec import validate_executor_type
 from dispatch.notify import announce_sessions_fenced
-from leases.end import leases_end_for_session
+from leases.end import leases_end_for_session, leases_end_not_held
 from leases.locks import lock_worker
 from leases.policy import SWEEP_BATCH, session_is_current
+from leases.reasons import EndReason
 from leases.renew import leases_renew_for_session
-from leases.selectors import cancelled_offer_ids
+from leases.selectors import cancelled_offer_ids, offers_to_stop
 from notifications.services import worker_offline_emit
 from qinglong.clock import db_now
 from workers.models import (
@@ -159,7 +163,7 @@ def worker_rotate_credential(*, worker: Worker) -> str:
             credential_prefix=credential[:8],
             credential_rotated_at=now,
         )
-    _end_fenced_leases(fenced, reason=SessionEndReason.CREDENTIAL_ROTATED)
+    _end_fenced_leases(fenced, reason=EndReason.CREDENTIAL_ROTATED)
     worker.refresh_from_db()
     logger.info(
         "credential rotated",
@@ -176,7 +180,9 @@ def worker_set_admin_state(*, worker: Worker, admin_state: WorkerAdminState) -> 
             worker=worker, state__in=SESSION_CURRENT_STATES
         ):
             session_end(
-                session_pk=session.pk, to_state=SessionState.OFFLINE, reason="worker_disabled"
+                session_pk=session.pk,
+                to_state=SessionState.OFFLINE,
+                reason=SessionEndReason.WORKER_DISABLED,
             )
 
 
@@ -255,7 +261,9 @@ def session_open(
         )
     # After the fence commits, so a racing claim either committed first (and
     # its lease is ended here) or sees the Session replaced.
-    _end_fenced_leases(replaced, reason=SessionEndReason.SESSION_REPLACED)
+    # The Worker restarted (or another agent took its credential): a started
+    # Attempt of the old Session is lost, `worker_restarted` (docs/adr/0005).
+    _end_fenced_leases(replaced, reason=EndReason.WORKER_RESTARTED)
     logger.info(
         "session opened",
         extra={
@@ -305,9 +313,11 @@ def _fenced_code(session: WorkerSession) -> str:
 class Heartbeat:
     session_state: SessionState
     cancel: list[str]
+    stop: list[str]  # of the offers the agent listed as held: stop these now
     server_time: datetime
     renewed: int
     recorded: bool  # False: inside the minimum interval, answered without a write
+    not_held: int = 0  # started Attempts ended because the agent did not list them
 
 
 def _heartbeat_gap() -> timedelta:
@@ -335,8 +345,19 @@ def _heartbeat_looks_due(session: WorkerSession, *, wants: str, now: datetime) -
     return wants == SessionState.DRAINING and session.state == SessionState.ONLINE
 
 
-def session_heartbeat(*, session: WorkerSession, draining: bool) -> Heartbeat:
-    """Keep a Session online, renew its started leases, return cancel verdicts."""
+def session_heartbeat(
+    *, session: WorkerSession, draining: bool, held: Collection[str] | None = None
+) -> Heartbeat:
+    """Keep a Session online, renew its started leases, return cancel and stop verdicts.
+
+    `held` is what the agent holds (docs/adr/0005): every offer it has
+    recorded and not finished reporting. With it, a recorded heartbeat renews
+    only the listed started leases and, once committed, ends this Session's
+    started Attempts it does not list (`not_held`; their slots free at once);
+    claimed leases are offers in hand and are not touched. Without it (older
+    agents) every started lease of the Session is renewed. Either way the
+    answer's `stop` names the listed ids the agent must stop now.
+    """
     wants = (
         SessionState.DRAINING
         if draining or session.worker.admin_state == WorkerAdminState.DRAINING
@@ -347,7 +368,7 @@ def session_heartbeat(*, session: WorkerSession, draining: bool) -> Heartbeat:
         # Inside the interval: answered from the current state with no
         # transaction at all (on SQLite a write transaction takes the one
         # database write lock).
-        return _heartbeat_answer(session, now=now, renewed=0, recorded=False)
+        return _heartbeat_answer(session, now=now, held=held, renewed=0, recorded=False)
     with transaction.atomic(durable=True):
         now = db_now()
         # Compare-and-set on the current states: a heartbeat racing the offline
@@ -363,22 +384,37 @@ def session_heartbeat(*, session: WorkerSession, draining: bool) -> Heartbeat:
             if session.state not in SESSION_CURRENT_STATES:
                 raise SessionRejected(_fenced_code(session))
             # A concurrent heartbeat of this Session wrote first.
-            return _heartbeat_answer(session, now=now, renewed=0, recorded=False)
+            return _heartbeat_answer(session, now=now, held=held, renewed=0, recorded=False)
         session.heartbeat_at = now
         session.state = wants
-        renewed = leases_renew_for_session(session, now=now)
-    return _heartbeat_answer(session, now=now, renewed=renewed, recorded=True)
+        renewed = leases_renew_for_session(session, now=now, held=held)
+    not_held = 0
+    if held is not None:
+        # After the commit, one transaction per lease in the lock order (Run →
+        # Attempt → RunLease): never under this heartbeat's Session row.
+        not_held = leases_end_not_held(session_pk=session.pk, held=held, now=now)
+    return _heartbeat_answer(
+        session, now=now, held=held, renewed=renewed, recorded=True, not_held=not_held
+    )
 
 
 def _heartbeat_answer(
-    session: WorkerSession, *, now: datetime, renewed: int, recorded: bool
+    session: WorkerSession,
+    *,
+    now: datetime,
+    held: Collection[str] | None,
+    renewed: int,
+    recorded: bool,
+    not_held: int = 0,
 ) -> Heartbeat:
     return Heartbeat(
         session_state=SessionState(session.state),
         cancel=cancelled_offer_ids(session),
+        stop=[] if held is None else offers_to_stop(session, held),
         server_time=now,
         renewed=renewed,
         recorded=recorded,
+        not_held=not_held,
     )
 
 
@@ -416,5 +452,5 @@ def session_mark_offline_if_stale(*, session_pk: int) -> bool:
             worker_offline_emit(session_pk=session_pk)
     if updated != 1:
         return False
-    leases_end_for_session(session_pk, reason=SessionEndReason.SESSION_OFFLINE)
+    leases_end_for_session(session_pk, reason=EndReason.WORKER_LOST)
     return True

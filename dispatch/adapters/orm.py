@@ -216,12 +216,19 @@ def decode_candidate_cursor(cursor: str) -> tuple[int, datetime, int]:
 class OrmCandidateSource:
     """Pending Attempts of queued Runs in keyset order (docs/adr/0001 step 2)."""
 
-    def candidate_page(self, *, cursor: str | None, limit: int) -> Page[Candidate]:
+    def candidate_page(
+        self, *, observed_at: datetime, cursor: str | None, limit: int
+    ) -> Page[Candidate]:
         _check_limit(limit)
         # The filter on Attempt.state matches the partial index
         # `attempt_candidate_keyset` (priority DESC, queued_at, id) WHERE
         # state='pending', so the scan is one index range, whatever the backlog.
+        # An Attempt held back (`not_before` later than observed_at: a lost
+        # execution's grace, an over-delivery backoff, docs/adr/0005) is a
+        # row filter on that same range: it is stepped over, never a second
+        # scan, and only a few such rows exist at a time (they are transient).
         qs = Attempt.objects.filter(
+            Q(not_before__isnull=True) | Q(not_before__lte=observed_at),
             state=AttemptState.PENDING,
             run__state=RunState.QUEUED,
             run__cancel_requested=False,

@@ -87,6 +87,9 @@ class DispatchBudget:
     lease_ttl_s: int = 60
     redelivery_backoff_s: int = 5
     max_deliveries: int = 5
+    # docs/adr/0005: an Attempt over-delivered this many times fails its Run
+    # (`undeliverable`) instead of going back to the queue once more.
+    max_delivery_rounds: int = 3
 
     def __post_init__(self) -> None:
         # Direct construction must not be a way around the hard caps either.
@@ -125,6 +128,7 @@ BUDGET_RANGES: Final[Mapping[str, tuple[int, int]]] = MappingProxyType(
         "lease_ttl_s": (5, 86400),
         "redelivery_backoff_s": (0, 3600),
         "max_deliveries": (1, 100),
+        "max_delivery_rounds": (1, 100),
     }
 )
 BUDGET_KEYS: Final = frozenset(field.name for field in fields(DispatchBudget))

@@ -78,8 +78,9 @@ def dispatch_once(
        recoverable leases (global scope: only past the redelivery backoff),
        each re-materialized from its pinned revision (steps 4, 5 and 9 below).
     2. `_Cycle.claim_new`: only when recovery offered nothing, the first
-       candidate page; no candidate stops the cycle (no Worker read, no plan,
-       no claim).
+       candidate page (Attempts eligible at `observed_at`: a `not_before` in
+       the future is skipped); no candidate stops the cycle (no Worker read,
+       no plan, no claim).
     3. `_Cycle.worker_snapshot`: a bounded Worker snapshot by stable cursor
        (a pull: only the pulling Session).
     4. `_Cycle.plan`: one plan per candidate, from the Run's pinned revision.
@@ -277,8 +278,11 @@ class _Cycle:
         itself cut short by its budget."""
         if self.offers or self.truncation is not None:
             return
+        observed_at = self.observed_at
         candidates = PageReader(
-            lambda cursor, limit: self.ports.candidates.candidate_page(cursor=cursor, limit=limit),
+            lambda cursor, limit: self.ports.candidates.candidate_page(
+                observed_at=observed_at, cursor=cursor, limit=limit
+            ),
             page_size=self.budget.candidate_page_size,
             max_pages=self.budget.candidate_max_pages,
             key=lambda candidate: candidate.attempt_id,

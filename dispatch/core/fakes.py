@@ -23,9 +23,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 
 from dispatch.core import policy
-from dispatch.core.budget import HARD_CAPS
+from dispatch.core.budget import HARD_CAPS, DispatchBudget
 from dispatch.core.errors import SpecError
-from dispatch.core.policy import MAX_DELIVERIES_REASON
+from dispatch.core.policy import MAX_DELIVERIES_REASON, UNDELIVERABLE_REASON
 from dispatch.core.ports import (
     Candidate,
     CandidateSource,
@@ -52,6 +52,7 @@ from dispatch.core.spec import TaskDefinition, build_spec, validate_task_definit
 __all__ = [
     "DEFAULT_NOW",
     "MAX_DELIVERIES_REASON",
+    "UNDELIVERABLE_REASON",
     "FakeCandidateSource",
     "FakeClaimPort",
     "FakeClock",
@@ -64,6 +65,7 @@ __all__ = [
 ]
 
 DEFAULT_NOW: Final = datetime(2026, 7, 18, 12, 0, tzinfo=UTC)
+_DEFAULT_BUDGET: Final = DispatchBudget()
 R = TypeVar("R")
 
 
@@ -129,6 +131,9 @@ class FakeAttempt:
     state: str = "pending"  # pending | claimed | starting | ...
     version: int = 1
     lease_generation: int = 0
+    # Not claimable before this instant (None: now), as Attempt.not_before.
+    not_before: datetime | None = None
+    error_code: str = ""
 
 
 @dataclass
@@ -372,6 +377,30 @@ class FakeStore:
         lease.delivery_count += 1
         lease.last_delivered_at = self.clock.now() if at is None else at
 
+    def record_pull(
+        self,
+        lease_id: str,
+        at: datetime | None = None,
+        *,
+        redelivery_backoff_s: int = _DEFAULT_BUDGET.redelivery_backoff_s,
+    ) -> bool:
+        """A Worker's pull delivering the lease, counted as `leases.renew` counts it.
+
+        docs/adr/0005: it counts toward max_deliveries only when the last
+        counted delivery is at least one redelivery backoff old; a re-poll
+        inside the backoff changes nothing. True when it counted.
+        """
+        lease = self.leases[lease_id]
+        now = self.clock.now() if at is None else at
+        last = lease.last_delivered_at
+        if lease.state != "active" or (
+            last is not None and last > now - timedelta(seconds=redelivery_backoff_s)
+        ):
+            return False
+        lease.delivery_count += 1
+        lease.last_delivered_at = now
+        return True
+
     def expire_leases(self) -> int:
         """The expiry sweeper: a claimed Attempt goes back to pending."""
         now = self.clock.now()
@@ -392,8 +421,19 @@ class FakeStore:
         self._end_lease(lease, "revoked", reason=reason)
         return True
 
-    def revoke_over_delivered(self, *, max_deliveries: int) -> int:
-        """The over-delivery sweep: claimed leases pulled `max_deliveries` times."""
+    def revoke_over_delivered(
+        self,
+        *,
+        max_deliveries: int,
+        redelivery_backoff_s: int = _DEFAULT_BUDGET.redelivery_backoff_s,
+        max_delivery_rounds: int = _DEFAULT_BUDGET.max_delivery_rounds,
+    ) -> int:
+        """The over-delivery sweep: claimed leases pulled `max_deliveries` times.
+
+        As `leases.end` (docs/adr/0005): the Attempt waits one redelivery
+        backoff and is then claimable by any Worker, the same one included;
+        the `max_delivery_rounds`-th revoke fails its Run `undeliverable`.
+        """
         over = [
             lease
             for lease in self.leases.values()
@@ -403,6 +443,21 @@ class FakeStore:
         ]
         for lease in over:
             self._end_lease(lease, "revoked", reason=MAX_DELIVERIES_REASON)
+            attempt = self.attempts[lease.attempt_id]
+            if attempt.state != "pending":
+                continue
+            rounds = sum(
+                1
+                for other in self.leases.values()
+                if other.attempt_id == attempt.attempt_id
+                and other.end_reason == MAX_DELIVERIES_REASON
+            )
+            if rounds < max_delivery_rounds:
+                attempt.not_before = self.clock.now() + timedelta(seconds=redelivery_backoff_s)
+            else:
+                attempt.state = "start_failed"
+                attempt.error_code = UNDELIVERABLE_REASON
+                self.runs[attempt.run_id].state = "failed"
         return len(over)
 
     def _end_lease(self, lease: FakeLease, state: str, *, reason: str) -> None:
@@ -416,6 +471,12 @@ class FakeStore:
             attempt.state = "pending"
             attempt.version += 1
             self.runs[attempt.run_id].state = "queued"
+
+    def defer_attempt(self, attempt_id: str, until: datetime | None) -> None:
+        """Set an Attempt's `not_before` (a retry held back, docs/adr/0005)."""
+        attempt = self.attempts[attempt_id]
+        attempt.not_before = until
+        attempt.version += 1
 
     def active_lease_for(self, attempt_id: str) -> FakeLease | None:
         return next(
@@ -631,10 +692,12 @@ def _decode_candidate(cursor: str) -> tuple[int, datetime, tuple[int, int, str]]
 
 
 class FakeCandidateSource(_PagedSource):
-    def candidate_page(self, *, cursor: str | None, limit: int) -> Page[Candidate]:
-        self.calls.append({"cursor": cursor, "limit": limit})
+    def candidate_page(
+        self, *, observed_at: datetime, cursor: str | None, limit: int
+    ) -> Page[Candidate]:
+        self.calls.append({"observed_at": observed_at, "cursor": cursor, "limit": limit})
         _check_limit(limit)
-        rows = sorted(self._candidates(), key=_candidate_key)
+        rows = sorted(self._candidates(observed_at), key=_candidate_key)
         return self._page(
             rows,
             key=_candidate_key,
@@ -644,11 +707,13 @@ class FakeCandidateSource(_PagedSource):
             limit=limit,
         )
 
-    def _candidates(self) -> Iterable[Candidate]:
+    def _candidates(self, observed_at: datetime) -> Iterable[Candidate]:
         for attempt in self.store.attempts.values():
             run = self.store.runs[attempt.run_id]
             if attempt.state != "pending" or run.state != "queued" or run.cancel_requested:
                 continue
+            if attempt.not_before is not None and attempt.not_before > observed_at:
+                continue  # held back (docs/adr/0005)
             yield Candidate(
                 run_id=run.run_id,
                 attempt_id=attempt.attempt_id,
@@ -808,12 +873,6 @@ class FakeClaimPort:
         ):
             # One pull id, one token (docs/adr/0003).
             return unavailable
-        if any(
-            lease.attempt_id == attempt.attempt_id and lease.end_reason == MAX_DELIVERIES_REASON
-            for lease in session_leases
-        ):
-            # Over-delivered to this Session: never back to it.
-            return lost
         if store.free_slots(request.worker_id) <= 0:
             return unavailable
         attempt.state = "claimed"

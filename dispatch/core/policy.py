@@ -16,6 +16,7 @@ from dispatch.core.offer import tokens_equal
 
 __all__ = [
     "MAX_DELIVERIES_REASON",
+    "UNDELIVERABLE_REASON",
     "capacity",
     "free_slots",
     "lease_is_live",
@@ -24,8 +25,11 @@ __all__ = [
 
 
 # The end reason of a lease revoked after max_deliveries pulls without a
-# `starting` ACK; a claim never hands that Attempt to that Session again.
+# `starting` ACK; its Attempt waits one redelivery backoff (docs/adr/0005).
 MAX_DELIVERIES_REASON: Final = "max_deliveries"
+# The reason an Attempt over-delivered `max_delivery_rounds` times ends with
+# (its Run fails instead of going back to the queue once more).
+UNDELIVERABLE_REASON: Final = "undeliverable"
 
 
 def lease_is_live(expires_at: datetime, now: datetime) -> bool:

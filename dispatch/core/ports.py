@@ -273,9 +273,12 @@ class LeaseRecoverySource(Protocol):
 
 
 class CandidateSource(Protocol):
-    def candidate_page(self, *, cursor: str | None, limit: int) -> Page[Candidate]:
-        """Attempt pending, Run queued, not cancelled; keyset order
-        priority DESC, queued_at, attempt_id; at most `limit`."""
+    def candidate_page(
+        self, *, observed_at: datetime, cursor: str | None, limit: int
+    ) -> Page[Candidate]:
+        """Attempt pending, Run queued, not cancelled, and eligible at
+        `observed_at` (no `not_before`, or `not_before` <= observed_at); keyset
+        order priority DESC, queued_at, attempt_id; at most `limit`."""
         ...
 
 
@@ -307,12 +310,14 @@ class ClaimPort(Protocol):
            Session at `session_generation` and the Worker is active;
         4. WORKER_UNAVAILABLE when this Session already has a lease with this
            `pull_id` and another token (one pull id, one token: docs/adr/0003);
-        5. ATTEMPT_LOST when this Session had a lease of this Attempt revoked
-           for max_deliveries (never handed back to that Session);
-        6. WORKER_UNAVAILABLE when the Session's active leases already fill
+        5. WORKER_UNAVAILABLE when the Session's active leases already fill
            min(Session slots, Worker slots);
-        7. else WON: Attempt claimed, Run dispatching, lease active until
+        6. else WON: Attempt claimed, Run dispatching, lease active until
            now + `lease_ttl_s`.
+
+        An Attempt once over-delivered to a Session is not barred from it:
+        it waits its backoff in `not_before`, which the candidate read
+        honours, and may then go to any Worker (docs/adr/0005).
         """
         ...
 

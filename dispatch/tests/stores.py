@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from django.conf import settings
+from django.db.models import F
 
 from dispatch.adapters.orm import orm_ports
 from dispatch.core.fakes import FakeStore, fake_ports
@@ -83,7 +84,16 @@ class StoreBuilder(Protocol):
     def set_worker_slots(self, worker_id: str, slots: int) -> None: ...
     def cancel_run(self, run_id: str) -> None: ...
     def start(self, attempt_id: str, claimed: Claimed) -> None: ...
-    def record_delivery(self, lease_id: str, at: datetime) -> None: ...
+    def record_delivery(self, lease_id: str, at: datetime) -> None:
+        """A Worker's pull delivering the lease at `at` (counted once per backoff)."""
+        ...
+
+    def attempt_state(self, attempt_id: str) -> str: ...
+    def run_state(self, run_id: str) -> str: ...
+    def hold_back(self, attempt_id: str, until: datetime | None) -> None:
+        """Set the Attempt's `not_before` (None: eligible now)."""
+        ...
+
     def revoke(self, lease_id: str) -> None: ...
     def revoke_over_delivered(self, *, max_deliveries: int) -> int: ...
 
@@ -155,15 +165,20 @@ def claim_request(
     return request, token
 
 
-def candidate_of(builder: StoreBuilder, attempt_id: str) -> Candidate:
-    """The Attempt as the candidate source lists it now."""
-    return _find_candidate(builder.ports(), attempt_id)
+def candidate_of(
+    builder: StoreBuilder, attempt_id: str, *, observed_at: datetime | None = None
+) -> Candidate:
+    """The Attempt as the candidate source lists it now (or at `observed_at`)."""
+    return _find_candidate(builder.ports(), attempt_id, observed_at=observed_at)
 
 
-def _find_candidate(ports: DispatchPorts, attempt_id: str) -> Candidate:
+def _find_candidate(
+    ports: DispatchPorts, attempt_id: str, *, observed_at: datetime | None = None
+) -> Candidate:
     cursor: str | None = None
+    at = ports.clock.now() if observed_at is None else observed_at
     for _ in range(100):
-        page = ports.candidates.candidate_page(cursor=cursor, limit=64)
+        page = ports.candidates.candidate_page(observed_at=at, cursor=cursor, limit=64)
         for candidate in page.items:
             if candidate.attempt_id == attempt_id:
                 return candidate
@@ -229,7 +244,16 @@ class FakeStoreBuilder:
         self.store.start_attempt(attempt_id)
 
     def record_delivery(self, lease_id: str, at: datetime) -> None:
-        self.store.record_delivery(lease_id, at)
+        self.store.record_pull(lease_id, at)
+
+    def attempt_state(self, attempt_id: str) -> str:
+        return self.store.attempts[attempt_id].state
+
+    def run_state(self, run_id: str) -> str:
+        return self.store.runs[run_id].state
+
+    def hold_back(self, attempt_id: str, until: datetime | None) -> None:
+        self.store.defer_attempt(attempt_id, until)
 
     def revoke(self, lease_id: str) -> None:
         assert self.store.revoke_lease(lease_id, reason=REVOKE_REASON)
@@ -319,6 +343,19 @@ class OrmStoreBuilder:
 
     def record_delivery(self, lease_id: str, at: datetime) -> None:
         leases_record_delivery([lease_id], now=at)
+
+    def attempt_state(self, attempt_id: str) -> str:
+        return str(Attempt.objects.get(pk=int(attempt_id)).state)
+
+    def run_state(self, run_id: str) -> str:
+        return str(Run.objects.get(pk=int(run_id)).state)
+
+    def hold_back(self, attempt_id: str, until: datetime | None) -> None:
+        # The column the lease services set (a lost execution's grace, an
+        # over-delivery backoff); written directly to test the read's boundary.
+        Attempt.objects.filter(pk=int(attempt_id)).update(
+            not_before=until, version=F("version") + 1
+        )
 
     def revoke(self, lease_id: str) -> None:
         assert lease_revoke(int(lease_id), reason=REVOKE_REASON) is Outcome.APPLIED

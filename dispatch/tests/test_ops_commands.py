@@ -191,9 +191,14 @@ def seed_every_category() -> dict[str, int]:
         "cancelling": _lease_for(session, ack=AckPhase.STARTING),
         "spec_drift": _lease_for(session),
         "orphaned": _lease_for(session, ack=AckPhase.STARTING),
+        "over_delivered": _lease_for(session),
     }
     RunLease.objects.filter(pk=leases["awaiting_start"].pk).update(
         delivery_count=1, last_delivered_at=timezone.now()
+    )
+    # Pulled max_deliveries times without a starting ACK, not yet revoked.
+    RunLease.objects.filter(pk=leases["over_delivered"].pk).update(
+        delivery_count=5, last_delivered_at=timezone.now()
     )
     RunLease.objects.filter(pk=leases["expired"].pk).update(
         expires_at=timezone.now() - timedelta(seconds=5)
@@ -221,7 +226,7 @@ def test_audit_reports_each_category_and_exits_one_when_problems_exist():
         lease_id: category for category, lease_id in seeded.items()
     }
     assert all(count == 1 for count in report["counts"].values())
-    assert report["problems"] == 6
+    assert report["problems"] == 7
     # Read-only: nothing changed.
     assert RunLease.objects.filter(state=LeaseState.ACTIVE).count() == len(seeded)
 
@@ -231,10 +236,12 @@ def test_audit_expire_repairs_everything_then_a_second_run_has_nothing_to_fix():
     status, out = run_command("audit_leases", "--expire", "--json")
     report = json.loads(out)
     assert (status, report["unrepaired"]) == (0, 0)
-    assert report["repaired"] == {"applied": 6}
+    assert report["repaired"] == {"applied": 7}
     ended = dict(RunLease.objects.filter(pk__in=seeded.values()).values_list("pk", "end_reason"))
     assert ended[seeded["expired"]] == "lease_expired"
-    assert ended[seeded["session_replaced"]] == "session_replaced"
+    assert ended[seeded["session_replaced"]] == "worker_restarted"
+    assert ended[seeded["session_offline"]] == "worker_lost"
+    assert ended[seeded["over_delivered"]] == "max_deliveries"
     assert ended[seeded["spec_drift"]] == "spec_drift"
     assert RunLease.objects.get(pk=seeded["deliverable"]).state == LeaseState.ACTIVE
     assert RunLease.objects.get(pk=seeded["running"]).state == LeaseState.ACTIVE

@@ -105,7 +105,7 @@ def test_stale_session_goes_offline_and_its_leases_end():
     assert counts.applied == 1
     assert WorkerSession.objects.get(pk=opened.session.pk).state == "offline"
     lease.refresh_from_db()
-    assert (lease.state, lease.end_reason) == (LeaseState.REVOKED, "session_offline")
+    assert (lease.state, lease.end_reason) == (LeaseState.REVOKED, "worker_lost")
     assert Run.objects.get(pk=run.pk).state == "queued"
 
 

@@ -71,8 +71,15 @@ def walk(fetch: Callable[[str | None, int], Page[T]], limit: int) -> Iterator[Pa
     raise AssertionError("paging did not end")
 
 
-def all_candidates(ports: DispatchPorts, limit: int = 64) -> list[str]:
-    pages = walk(lambda c, n: ports.candidates.candidate_page(cursor=c, limit=n), limit)
+def all_candidates(
+    ports: DispatchPorts, limit: int = 64, *, observed_at: datetime | None = None
+) -> list[str]:
+    if observed_at is None:
+        observed_at = ports.clock.now()
+    pages = walk(
+        lambda c, n: ports.candidates.candidate_page(observed_at=observed_at, cursor=c, limit=n),
+        limit,
+    )
     return [item.attempt_id for page in pages for item in page.items]
 
 
@@ -140,12 +147,16 @@ def test_candidate_page_is_at_most_limit_and_cursor_resumes_after_it(store: Stor
     t0 = store.now()
     attempts = [store.add_run(task, queued_at=t0 + seconds(i))[1] for i in range(5)]
     ports = store.ports()
-    first = ports.candidates.candidate_page(cursor=None, limit=2)
+    first = ports.candidates.candidate_page(observed_at=store.now(), cursor=None, limit=2)
     assert [c.attempt_id for c in first.items] == attempts[:2]
     assert first.next_cursor is not None
-    second = ports.candidates.candidate_page(cursor=first.next_cursor, limit=2)
+    second = ports.candidates.candidate_page(
+        observed_at=store.now(), cursor=first.next_cursor, limit=2
+    )
     assert [c.attempt_id for c in second.items] == attempts[2:4]
-    last = ports.candidates.candidate_page(cursor=second.next_cursor, limit=2)
+    last = ports.candidates.candidate_page(
+        observed_at=store.now(), cursor=second.next_cursor, limit=2
+    )
     assert [c.attempt_id for c in last.items] == attempts[4:]
     assert last.next_cursor is None
 
@@ -163,10 +174,33 @@ def test_candidates_exclude_cancelled_and_claimed_attempts(store: StoreBuilder) 
     assert cancelled not in all_candidates(store.ports())
 
 
+def test_candidates_skip_attempts_held_back_past_observed_at(store: StoreBuilder) -> None:
+    task = store.add_task()
+    t0 = store.now()
+    attempts = [store.add_run(task, queued_at=t0 + seconds(i))[1] for i in range(5)]
+    now = store.now()
+    # not_before: the past, exactly now, the future, the future, none.
+    store.hold_back(attempts[0], now - seconds(1))
+    store.hold_back(attempts[1], now)
+    store.hold_back(attempts[2], now + seconds(1))
+    store.hold_back(attempts[3], now + seconds(3600))
+    eligible = [attempts[0], attempts[1], attempts[4]]
+    for limit in (1, 2, 64):
+        # The keyset steps over held-back rows without breaking the paging.
+        assert all_candidates(store.ports(), limit, observed_at=now) == eligible
+    later = now + seconds(1)
+    assert all_candidates(store.ports(), observed_at=later) == [*attempts[:3], attempts[4]]
+    # Lifting the wait makes it eligible at once.
+    store.hold_back(attempts[3], None)
+    assert all_candidates(store.ports(), observed_at=now) == [*eligible[:2], *attempts[3:]]
+
+
 def test_candidate_carries_the_persisted_identity(store: StoreBuilder) -> None:
     task = store.add_task(executor_type="shell")
     run_id, attempt_id = store.add_run(task, priority=7, queued_at=store.now())
-    (candidate,) = store.ports().candidates.candidate_page(cursor=None, limit=8).items
+    (candidate,) = (
+        store.ports().candidates.candidate_page(observed_at=store.now(), cursor=None, limit=8).items
+    )
     assert (candidate.run_id, candidate.attempt_id) == (run_id, attempt_id)
     assert candidate.task_id == task
     assert candidate.task_revision == 1
@@ -176,7 +210,7 @@ def test_candidate_carries_the_persisted_identity(store: StoreBuilder) -> None:
 
 
 def test_empty_backlog_is_one_empty_last_page(store: StoreBuilder) -> None:
-    page = store.ports().candidates.candidate_page(cursor=None, limit=8)
+    page = store.ports().candidates.candidate_page(observed_at=store.now(), cursor=None, limit=8)
     assert page.items == ()
     assert page.next_cursor is None
 
@@ -344,8 +378,8 @@ def test_recovery_skips_leases_delivered_max_deliveries_times(
     store: StoreBuilder, leased: Leased
 ) -> None:
     now = store.now()
-    for _ in range(3):
-        store.record_delivery(leased.claims[2].lease_id, now - seconds(60))
+    for i in range(3):  # three counted pulls, one redelivery backoff apart
+        store.record_delivery(leased.claims[2].lease_id, now - seconds(60 - 5 * i))
     rows = lease_ids(all_recoverable(store.ports(), now, max_deliveries=3))
     assert leased.claims[2].lease_id not in rows
     assert leased.claims[2].lease_id in lease_ids(
@@ -368,7 +402,9 @@ def test_plan_matches_the_candidate_and_its_pinned_revision(store: StoreBuilder)
     task = store.add_task()
     store.add_run(task, queued_at=store.now())
     ports = store.ports()
-    (candidate,) = ports.candidates.candidate_page(cursor=None, limit=8).items
+    (candidate,) = ports.candidates.candidate_page(
+        observed_at=store.now(), cursor=None, limit=8
+    ).items
     plan = ports.plans.prepare(candidate)
     spec = validate_spec(plan.spec)
     assert (plan.run_id, plan.attempt_id, plan.task_revision) == (
@@ -385,7 +421,9 @@ def test_plan_for_a_missing_attempt_or_other_revision_is_unavailable(
     task = store.add_task()
     store.add_run(task, queued_at=store.now())
     ports = store.ports()
-    (candidate,) = ports.candidates.candidate_page(cursor=None, limit=8).items
+    (candidate,) = ports.candidates.candidate_page(
+        observed_at=store.now(), cursor=None, limit=8
+    ).items
     with pytest.raises(PlanUnavailable):
         ports.plans.prepare(dataclasses.replace(candidate, attempt_id="999999"))
     # Another revision than the pinned one is never materialized, even once it
@@ -583,21 +621,52 @@ def test_one_pull_id_carries_one_token_per_session(store: StoreBuilder) -> None:
     assert try_claim(store, candidate_of(store, d), other, pull=pull(1, "U")).status is WON
 
 
-def test_an_attempt_over_delivered_to_a_session_is_never_claimed_by_it_again(
+BACKOFF = seconds(5)  # the default redelivery backoff, in the fakes and the settings
+
+
+def deliver(store: StoreBuilder, lease_id: str, times: int) -> None:
+    """`times` counted pulls of the lease, one redelivery backoff apart."""
+    t0 = store.now()
+    for i in range(times):
+        store.record_delivery(lease_id, t0 + BACKOFF * i)
+
+
+def test_a_re_poll_inside_the_redelivery_backoff_is_not_a_delivery(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    (attempt,) = queued(store, task)
+    lease = claim(store, attempt, ref)
+    t0 = store.now()
+    # An agent pulling five times in a second before it ACKs what it holds.
+    for i in range(5):
+        store.record_delivery(lease.lease_id, t0 + seconds(0.2 * i))
+    assert store.revoke_over_delivered(max_deliveries=2) == 0
+    # One backoff after the counted one, a pull counts again.
+    store.record_delivery(lease.lease_id, t0 + BACKOFF)
+    assert store.revoke_over_delivered(max_deliveries=2) == 1
+
+
+def test_an_over_delivered_attempt_waits_one_backoff_then_any_session_may_claim_it(
     store: StoreBuilder,
 ) -> None:
     task = store.add_task()
     ref, other = store.add_worker(), store.add_worker()
     (attempt,) = queued(store, task)
     lease = claim(store, attempt, ref)
-    for _ in range(3):
-        store.record_delivery(lease.lease_id, store.now())
+    deliver(store, lease.lease_id, 3)
     assert store.revoke_over_delivered(max_deliveries=4) == 0
     assert store.revoke_over_delivered(max_deliveries=3) == 1
-    candidate = candidate_of(store, attempt)
+    revoked_at = store.now()
+    assert store.attempt_state(attempt) == "pending"
+    # Held back for one redelivery backoff, for every Worker alike ...
+    assert attempt not in all_candidates(store.ports())
+    early = revoked_at + BACKOFF - seconds(1)
+    assert attempt not in all_candidates(store.ports(), observed_at=early)
+    # ... then eligible again, for the same Session too (docs/adr/0005).
+    candidate = candidate_of(store, attempt, observed_at=revoked_at + BACKOFF)
     assert candidate.lease_generation == 1
-    assert try_claim(store, candidate, ref).status is ATTEMPT_LOST
-    assert try_claim(store, candidate, other).status is WON
+    assert try_claim(store, candidate, ref).status is WON
+    assert try_claim(store, candidate, other).status is ATTEMPT_LOST
 
 
 def test_an_over_delivered_attempt_may_go_to_a_later_session_of_the_same_worker(
@@ -607,13 +676,37 @@ def test_an_over_delivered_attempt_may_go_to_a_later_session_of_the_same_worker(
     ref = store.add_worker()
     (attempt,) = queued(store, task)
     lease = claim(store, attempt, ref)
-    store.record_delivery(lease.lease_id, store.now())
+    deliver(store, lease.lease_id, 1)
     assert store.revoke_over_delivered(max_deliveries=1) == 1
     replacement = store.replace_session(ref.worker_id)
-    assert try_claim(store, candidate_of(store, attempt), replacement).status is WON
+    later = store.now() + BACKOFF
+    assert (
+        try_claim(store, candidate_of(store, attempt, observed_at=later), replacement).status is WON
+    )
 
 
-def test_a_revoke_for_another_reason_bars_no_session(store: StoreBuilder) -> None:
+def test_the_last_delivery_round_fails_the_run_undeliverable(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker()
+    run_id, attempt = store.add_run(task, queued_at=store.now() - seconds(60))
+    rounds = 3  # max_delivery_rounds, the default in the fakes and the settings
+    for round_ in range(1, rounds + 1):
+        later = store.now() + BACKOFF
+        candidate = candidate_of(store, attempt, observed_at=later)
+        assert candidate.lease_generation == round_ - 1
+        outcome = try_claim(store, candidate, ref)
+        assert outcome.status is WON and outcome.lease_id is not None
+        deliver(store, outcome.lease_id, 1)
+        assert store.revoke_over_delivered(max_deliveries=1) == 1
+        expected = "pending" if round_ < rounds else "start_failed"
+        assert store.attempt_state(attempt) == expected
+    # Never silently queued: the Run failed and nothing is left to claim.
+    assert store.run_state(run_id) == "failed"
+    far = store.now() + BACKOFF * 100
+    assert attempt not in all_candidates(store.ports(), observed_at=far)
+
+
+def test_a_revoke_for_another_reason_returns_the_attempt_at_once(store: StoreBuilder) -> None:
     task = store.add_task()
     ref = store.add_worker()
     (attempt,) = queued(store, task)
@@ -644,19 +737,14 @@ def test_the_project_quota_answers_before_session_checks(store: StoreBuilder) ->
     assert try_claim(store, candidate_of(store, second), ref).status is ATTEMPT_LOST
 
 
-def test_the_pull_id_check_answers_before_max_deliveries_and_max_deliveries_before_slots(
-    store: StoreBuilder,
-) -> None:
+def test_the_pull_id_check_answers_before_slots(store: StoreBuilder) -> None:
     task = store.add_task()
     ref = store.add_worker(slots=1)
     other = store.add_worker()
-    barred, filler = queued(store, task, 2)
-    lease = claim(store, barred, ref)
-    store.record_delivery(lease.lease_id, store.now())
-    assert store.revoke_over_delivered(max_deliveries=1) == 1
+    waiting, filler = queued(store, task, 2)
     assert try_claim(store, candidate_of(store, filler), ref, pull=pull(7, "T")).status is WON
-    # ref is now full, has pull 7 with token T, and is barred from `barred`.
-    candidate = candidate_of(store, barred)
+    # ref is now full and has pull 7 with token T.
+    candidate = candidate_of(store, waiting)
     assert try_claim(store, candidate, ref, pull=pull(7, "U")).status is UNAVAILABLE
-    assert try_claim(store, candidate, ref, pull=pull(7, "T")).status is ATTEMPT_LOST
+    assert try_claim(store, candidate, ref, pull=pull(7, "T")).status is UNAVAILABLE
     assert try_claim(store, candidate, other).status is WON

@@ -72,6 +72,11 @@ def _lease_json(lease: RunLease) -> dict[str, Any]:
         "end_reason": lease.end_reason,
         "delivery_count": lease.delivery_count,
         "token_digest_prefix": lease.token_digest[:TOKEN_DIGEST_PREFIX_CHARS],
+        # docs/adr/0005: a restarted Worker confirmed this execution gone.
+        "execution_confirmed_at": _time(lease.execution_confirmed_at),
+        "execution_outcome": lease.execution_outcome,
+        "execution_exit_code": lease.execution_exit_code,
+        "execution_confirmed_by": lease.execution_confirmed_by,
     }
 
 
@@ -84,6 +89,8 @@ def _attempt_json(attempt: Attempt, leases: list[RunLease]) -> dict[str, Any]:
         "executor_handle": attempt.executor_handle,
         "exit_code": attempt.exit_code,
         "error_code": attempt.error_code,
+        "not_before": _time(attempt.not_before),
+        "not_before_reason": attempt.not_before_reason,
         "created_at": _time(attempt.created_at),
         "started_at": _time(attempt.started_at),
         "finished_at": _time(attempt.finished_at),

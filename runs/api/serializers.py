@@ -205,6 +205,18 @@ class LeaseFactsSerializer(BodySerializer):
     token_digest_prefix = serializers.CharField(
         help_text="First 8 hex characters of SHA-256(token): enough to tell leases apart."
     )
+    execution_confirmed_at = serializers.DateTimeField(
+        allow_null=True,
+        help_text="When a restarted Worker reported this lease's execution gone (reconcile).",
+    )
+    execution_outcome = serializers.CharField(
+        allow_blank=True,
+        help_text="What it reported: killed, exited or not_started (empty: no report).",
+    )
+    execution_exit_code = serializers.IntegerField(allow_null=True)
+    execution_confirmed_by = serializers.CharField(
+        allow_blank=True, help_text='Who reported it, e.g. "worker:3 session:7".'
+    )
 
 
 class AttemptSerializer(BodySerializer):
@@ -214,7 +226,20 @@ class AttemptSerializer(BodySerializer):
     lease_generation = serializers.IntegerField()
     executor_handle = serializers.CharField(allow_blank=True)
     exit_code = serializers.IntegerField(allow_null=True)
-    error_code = serializers.CharField(allow_blank=True)
+    error_code = serializers.CharField(
+        allow_blank=True,
+        help_text="Why it ended, when the control plane ended it: worker_lost, "
+        "worker_restarted, credential_rotated, worker_disabled, not_held, lease_expired, "
+        "undeliverable; or the Worker's start_failed code.",
+    )
+    not_before = serializers.DateTimeField(
+        allow_null=True, help_text="A pending Attempt is not claimed before this instant."
+    )
+    not_before_reason = serializers.CharField(
+        allow_blank=True,
+        help_text="Why it waits: lost_execution_grace (the previous execution may still "
+        "run) or redelivery_backoff (its offer was over-delivered).",
+    )
     created_at = serializers.DateTimeField()
     started_at = serializers.DateTimeField(allow_null=True)
     finished_at = serializers.DateTimeField(allow_null=True)

@@ -18,6 +18,8 @@ from dispatch.core.placement import LABEL_KEY_RE, LABEL_VALUE_RE
 from dispatch.core.result import CycleReason, CycleStatus
 from dispatch.core.spec import MAX_SPEC_BYTES
 from leases.ack import ACK_PHASE_DEPENDENT_FIELDS, ACK_PHASE_FIELDS, AckPhase
+from leases.models import ExecutionOutcome
+from leases.reconcile import ReconcileStatus
 from qinglong.api_common import (
     BodySerializer,
     FullMatchRegexValidator,
@@ -46,6 +48,10 @@ LEASE_TOKEN_RE = r"^[A-Za-z0-9_-]{43,128}$"
 SPEC_SHA256_RE = r"^[0-9a-f]{64}$"
 OFFER_ID_RE = r"^[0-9a-f]{64}$"
 MAX_OFFERS_PER_PULL = 16
+# docs/adr/0005: a heartbeat lists at most this many held offers (a Session's
+# most slots), a reconcile report at most this many executions.
+MAX_HELD_OFFERS = 256
+MAX_RECONCILE_EXECUTIONS = 64
 # A pull response is bounded by construction, never by luck: the reference
 # agent reads at most 4 MiB of a response (workers/agent/transport.py). An
 # offer is its spec (at most MAX_SPEC_BYTES: the response renders strings
@@ -109,9 +115,27 @@ class SessionOpenResponseSerializer(BodySerializer):
 # ---------------------------------------------------------------- heartbeat
 
 
+def offer_id_field(**kwargs: Any) -> StrictCharField:
+    return StrictCharField(validators=[FullMatchRegexValidator(OFFER_ID_RE)], **kwargs)
+
+
 class HeartbeatRequestSerializer(StrictSerializer):
     draining = StrictBooleanField(
         required=False, help_text="true: keep my leases, send me no new claims."
+    )
+    held = serializers.ListField(
+        child=offer_id_field(),
+        required=False,
+        max_length=MAX_HELD_OFFERS,
+        help_text=(
+            "Offer ids this agent holds: every offer it recorded and has not finished "
+            "reporting (claimed, starting, running, or a final ACK not yet accepted). With "
+            "it, only the listed started leases are renewed, and a started Attempt of this "
+            "Session that is not listed ends at once (`not_held`, its slot freed; one "
+            "started within the last heartbeat interval is left for the next heartbeat). "
+            "Claimed-but-not-started leases are not affected. Absent: every started lease "
+            f"of the Session is renewed. At most {MAX_HELD_OFFERS} ids."
+        ),
     )
 
 
@@ -123,7 +147,62 @@ class HeartbeatResponseSerializer(BodySerializer):
         child=serializers.CharField(),
         help_text="Offer ids of this Session's leases whose Run was cancelled: stop them.",
     )
+    stop = serializers.ListField(
+        child=serializers.CharField(),
+        help_text=(
+            "Ids from `held` to stop now: not an active lease of this Session whose Attempt "
+            "is still claimed or started under it (ended, released, revoked, unknown, or "
+            "another Worker's: one answer for all). Always empty without `held`."
+        ),
+    )
     server_time = serializers.DateTimeField()
+
+
+# ---------------------------------------------------------------- reconcile
+
+
+class ExecutionReportSerializer(StrictSerializer):
+    offer_id = offer_id_field()
+    lease_token = lease_token_field()
+    outcome = StrictChoiceField(
+        choices=[o.value for o in ExecutionOutcome],
+        help_text=(
+            "killed: it still ran and the agent ended it; exited: it had exited on its "
+            "own; not_started: no process was ever spawned."
+        ),
+    )
+    exit_code = StrictIntegerField(
+        min_value=-_INT32, max_value=_INT32 - 1, required=False, allow_null=True, default=None
+    )
+
+
+class ReconcileRequestSerializer(StrictSerializer):
+    executions = serializers.ListField(
+        child=ExecutionReportSerializer(),
+        min_length=1,
+        max_length=MAX_RECONCILE_EXECUTIONS,
+        help_text=(
+            "Executions of this Worker's earlier Sessions (any generation) that the agent "
+            "found in its journal after a restart and made sure are gone."
+        ),
+    )
+
+
+class ReconcileResultSerializer(BodySerializer):
+    offer_id = serializers.CharField()
+    status = serializers.ChoiceField(choices=[s.value for s in ReconcileStatus])
+
+
+class ReconcileResponseSerializer(BodySerializer):
+    results = ReconcileResultSerializer(
+        many=True,
+        help_text=(
+            "One per execution, in order. confirmed: recorded now, and the Run's retry that "
+            "waited for the lost-execution grace may be claimed at once; already_confirmed: "
+            "recorded before (nothing changed); unknown: no lease of this Worker with that "
+            "offer id and token."
+        ),
+    )
 
 
 # --------------------------------------------------------------------- pull

@@ -88,3 +88,9 @@ class HeartbeatThrottle(_SessionThrottle):
     """Bounds heartbeat requests; their writes are bounded by the service itself."""
 
     scope = "worker_heartbeat"
+
+
+class ReconcileThrottle(_SessionThrottle):
+    """A restarted agent reports its earlier Sessions' executions once (docs/adr/0005)."""
+
+    scope = "worker_reconcile"

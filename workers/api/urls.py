@@ -12,6 +12,7 @@ urlpatterns = [
     path("sessions", views.SessionOpenView.as_view(), name="sessions"),
     path("heartbeat", views.HeartbeatView.as_view(), name="heartbeat"),
     path("pull", views.PullView.as_view(), name="pull"),
+    path("reconcile", views.ReconcileView.as_view(), name="reconcile"),
     re_path(r"^leases/(?P<offer_id>[0-9a-f]{64})/ack$", views.AckView.as_view(), name="lease-ack"),
     re_path(
         r"^leases/(?P<offer_id>[0-9a-f]{64})/output$",

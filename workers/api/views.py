@@ -18,6 +18,8 @@ import workers.api.schema  # noqa: F401  (registers the OpenAPI security schemes
 from dispatch.core.ports import to_rfc3339
 from leases.ack import AckPhase, lease_ack
 from leases.errors import LeaseError
+from leases.models import ExecutionOutcome
+from leases.reconcile import ExecutionReport, leases_reconcile
 from qinglong.api_common import ApiView, parse_query_int, unknown_field_error, validated
 from qinglong.api_errors import ApiError, safe_field_name
 from qinglong.api_schema import error_responses, retry_after
@@ -38,10 +40,17 @@ from workers.api.serializers import (
     HeartbeatResponseSerializer,
     PullRequestSerializer,
     PullResponseSerializer,
+    ReconcileRequestSerializer,
+    ReconcileResponseSerializer,
     SessionOpenRequestSerializer,
     SessionOpenResponseSerializer,
 )
-from workers.api.throttles import HeartbeatThrottle, PullThrottle, SessionOpenThrottle
+from workers.api.throttles import (
+    HeartbeatThrottle,
+    PullThrottle,
+    ReconcileThrottle,
+    SessionOpenThrottle,
+)
 from workers.models import WorkerSession
 from workers.services import (
     CredentialRotated,
@@ -148,11 +157,14 @@ class HeartbeatView(WorkerApiView):
 
     @extend_schema(
         operation_id="worker_heartbeat",
-        summary="Keep the Session online, renew started leases, get cancel verdicts",
+        summary="Keep the Session online, renew held leases, get cancel and stop verdicts",
         description=(
             "Send one every `heartbeat_interval_s`. A heartbeat sooner than the server's "
-            "minimum interval after the last recorded one is answered (state, cancel "
-            "verdicts) without being recorded; `draining: true` always takes effect at once."
+            "minimum interval after the last recorded one is answered (state, cancel and "
+            "stop verdicts) without being recorded; `draining: true` always takes effect at "
+            "once. With `held`, a recorded heartbeat renews only the listed started leases "
+            "and ends this Session's started Attempts it does not list (`not_held`); "
+            "without it, every started lease of the Session is renewed."
         ),
         tags=_TAG,
         request=HeartbeatRequestSerializer,
@@ -163,7 +175,9 @@ class HeartbeatView(WorkerApiView):
         body = validated(HeartbeatRequestSerializer, request.data)
         try:
             beat = session_heartbeat(
-                session=self.session(request), draining=body.get("draining", False)
+                session=self.session(request),
+                draining=body.get("draining", False),
+                held=body.get("held"),
             )
         except SessionRejected as err:
             raise _rejected(err) from None
@@ -171,7 +185,54 @@ class HeartbeatView(WorkerApiView):
             {
                 "session_state": beat.session_state,
                 "cancel": list(beat.cancel),
+                "stop": list(beat.stop),
                 "server_time": to_rfc3339(beat.server_time),
+            }
+        )
+
+
+class ReconcileView(WorkerApiView):
+    """A restarted Worker's report on its earlier Sessions' executions."""
+
+    throttle_classes = [ReconcileThrottle]
+
+    @extend_schema(
+        operation_id="worker_reconcile",
+        summary="Report executions of earlier Sessions as gone (lifts the retry's grace)",
+        description=(
+            "Send with the session token of the Worker's NEW Session, after ending whatever "
+            "its journal shows an earlier Session left running. Each item names a lease of "
+            "this Worker (any Session generation) by offer id and proves it with the lease "
+            "token. It records who confirmed the execution gone, when, how (outcome) and its "
+            "exit code on the lease, and a retry of the Run that waits for the lost-execution "
+            "grace (`QL_LOST_EXECUTION_GRACE_S`) may then be claimed at once. Idempotent. An "
+            "offer id that does not exist, is another Worker's, or comes with a wrong token "
+            "is `unknown`, one answer for all."
+        ),
+        tags=_TAG,
+        request=ReconcileRequestSerializer,
+        responses={200: ReconcileResponseSerializer, **error_responses(429)},
+        parameters=[retry_after(429)],
+    )
+    def post(self, request: Request) -> Response:
+        body = validated(ReconcileRequestSerializer, request.data)
+        results = leases_reconcile(
+            session=self.session(request),
+            reports=[
+                ExecutionReport(
+                    offer_id=item["offer_id"],
+                    lease_token=item["lease_token"],
+                    outcome=ExecutionOutcome(item["outcome"]),
+                    exit_code=item.get("exit_code"),
+                )
+                for item in body["executions"]
+            ],
+        )
+        return Response(
+            {
+                "results": [
+                    {"offer_id": offer_id, "status": str(status)} for offer_id, status in results
+                ]
             }
         )
 

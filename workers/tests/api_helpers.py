@@ -126,9 +126,18 @@ class WorkerClient:
             bearer(self.token),
         )
 
-    def heartbeat(self, draining: bool = False) -> Any:
+    def heartbeat(self, draining: bool = False, *, held: list[str] | None = None) -> Any:
+        body: dict[str, Any] = {"draining": draining}
+        if held is not None:
+            body["held"] = held
+        return post_json(self.client, f"{WORKER_API}/heartbeat", body, bearer(self.token))
+
+    def reconcile(self, executions: list[dict[str, Any]]) -> Any:
         return post_json(
-            self.client, f"{WORKER_API}/heartbeat", {"draining": draining}, bearer(self.token)
+            self.client,
+            f"{WORKER_API}/reconcile",
+            {"executions": executions},
+            bearer(self.token),
         )
 
 

@@ -310,7 +310,7 @@ def test_a_rotated_credential_and_its_sessions_get_401_everywhere(client: Any) -
     statuses: Counter[int] = Counter()
     with _served_schema() as operations:
         worker_ops = [op for op in operations if op.path.startswith("/api/v1/worker/")]
-        assert len(worker_ops) == 4
+        assert len(worker_ops) == 6
         for operation in worker_ops:
             auth = _auth_for(
                 operation.path, operator="", credential=old_credential, session=opened.token

@@ -95,8 +95,18 @@ def test_rotation_by_command_fences_the_open_session_and_its_leases(client: Clie
     assert opened.status_code == 201, opened.content
     new = WorkerClient(client, opened.json()["session_token"], worker)
     assert new.heartbeat().status_code == 200
-    again, _, _ = new.pull(max_offers=2)
-    assert {offer["run_id"] for offer in again.json()["offers"]} == set(offers)
+    # The claimed Run is offered again at once; the started one's retry waits
+    # the lost-execution grace (its process may still run, docs/adr/0005) ...
+    again, _, new_token = new.pull(max_offers=2)
+    (reoffered,) = again.json()["offers"]
+    assert reoffered["run_id"] == str(claimed_run.pk)
+    assert new.ack(reoffered, "starting", new_token).status_code == 200
+    assert new.pull(max_offers=2)[0].json()["offers"] == []
+    # ... until the Worker reports that process gone.
+    report = {"offer_id": started["offer_id"], "lease_token": token, "outcome": "killed"}
+    assert new.reconcile([report]).json()["results"][0]["status"] == "confirmed"
+    later, _, _ = new.pull(max_offers=2)
+    assert [offer["run_id"] for offer in later.json()["offers"]] == [str(started_run.pk)]
 
 
 def test_rotation_service_fences_every_current_session_and_reports_it() -> None:

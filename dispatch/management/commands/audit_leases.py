@@ -20,12 +20,21 @@ from leases.end import lease_expire, lease_revoke
 from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
 from qinglong.clock import db_now
+from runs.models import AttemptState
 
 
 def repair(finding: LeaseFinding) -> Outcome:
     if finding.category == "expired":
         # lease_expire re-checks expiry by the database clock under the locks.
         return lease_expire(finding.lease_id)
+    if finding.category == "over_delivered":
+        # The sweep's own revoke: still claimed under the locks, or left alone
+        # (a starting ACK that won meanwhile keeps its lease).
+        return lease_revoke(
+            finding.lease_id,
+            reason=REVOKE_REASONS[finding.category],
+            only_if_attempt_state=AttemptState.CLAIMED,
+        )
     return lease_revoke(finding.lease_id, reason=REVOKE_REASONS[finding.category])
 
 
@@ -35,9 +44,10 @@ class Command(BaseCommand):
         "(delivered, no starting ACK), running, cancelling (started, its Run's "
         "cancel waits for the Worker's terminal ACK) (healthy); orphaned (Attempt/Run "
         "state inconsistent with an active lease), expired (past expires_at by the "
-        "database clock), session_replaced, session_offline, cancelled (Run cancelled, lease "
-        "never started), "
-        "spec_drift (the pinned revision no longer hashes to the lease's digest) "
+        "database clock), session_replaced, session_offline (repaired as worker_restarted "
+        "and worker_lost), cancelled (Run cancelled, lease never started), "
+        "spec_drift (the pinned revision no longer hashes to the lease's digest), "
+        "over_delivered (pulled max_deliveries times without a starting ACK) "
         "(problems). Prints counts per category and one row per lease (ids, "
         "generations, category; never a spec or token). Read-only unless --expire, "
         "which repairs every problem through the lease services (expire or revoke). "

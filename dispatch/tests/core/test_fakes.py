@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from dispatch.core.fakes import FakeCandidateSource, FakeClock, FakeStore
+from dispatch.core.fakes import DEFAULT_NOW, FakeCandidateSource, FakeClock, FakeStore
 from dispatch.core.ports import DispatchScope
 from dispatch.tests.core._builders import enqueue, run
 
@@ -43,4 +43,6 @@ def test_fresh_ports_share_the_store() -> None:
 @pytest.mark.parametrize("limit", [0, -1, 65, True])
 def test_fakes_refuse_a_limit_outside_the_hard_cap_like_the_orm(limit: int) -> None:
     with pytest.raises(ValueError):
-        FakeCandidateSource(FakeStore()).candidate_page(cursor=None, limit=limit)
+        FakeCandidateSource(FakeStore()).candidate_page(
+            observed_at=DEFAULT_NOW, cursor=None, limit=limit
+        )

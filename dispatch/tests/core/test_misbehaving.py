@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dispatch.core.fakes import FakeLeaseRecoverySource, FakeStore
+from dispatch.core.fakes import DEFAULT_NOW, FakeLeaseRecoverySource, FakeStore
 from dispatch.core.ports import DispatchScope
 from dispatch.tests.core._builders import definition, run
 from dispatch.tests.core.misbehaving import (
@@ -24,8 +24,8 @@ def _store_with(runs: int, workers: int) -> FakeStore:
 
 def test_stuck_cursor_knob_returns_the_cursor_it_was_given() -> None:
     source = MisbehavingCandidateSource(_store_with(5, 0), stuck_cursor=True)
-    first = source.candidate_page(cursor=None, limit=2)
-    second = source.candidate_page(cursor=first.next_cursor, limit=2)
+    first = source.candidate_page(observed_at=DEFAULT_NOW, cursor=None, limit=2)
+    second = source.candidate_page(observed_at=DEFAULT_NOW, cursor=first.next_cursor, limit=2)
     assert first.next_cursor is not None
     assert second.next_cursor == first.next_cursor
 
@@ -41,7 +41,7 @@ def test_duplicate_rows_knob_repeats_the_previous_last_row() -> None:
 
 def test_oversize_knob_returns_one_row_too_many() -> None:
     source = MisbehavingCandidateSource(_store_with(5, 0), oversize=True)
-    assert len(source.candidate_page(cursor=None, limit=2).items) == 3
+    assert len(source.candidate_page(observed_at=DEFAULT_NOW, cursor=None, limit=2).items) == 3
 
 
 def test_order_regression_knob_reverses_a_page() -> None:
