@@ -219,10 +219,10 @@ QINGLONG_HEARTBEAT_INTERVAL_S = env_int("QL_HEARTBEAT_INTERVAL_S", 10, minimum=1
 QINGLONG_SESSION_TIMEOUT_S = env_int("QL_SESSION_TIMEOUT_S", 30, minimum=2)
 # docs/adr/0005: the retry of an execution the control plane lost sight of
 # (its Session replaced, offline or fenced) waits this long unless the Worker
-# confirms the old process gone. Two Session timeouts: an agent that cannot
-# heartbeat stops its own work one Session timeout after its last accepted
-# heartbeat, i.e. about when the offline sweep declares it lost; the second
-# timeout covers the kill grace, the sweep interval and clock skew.
+# confirms the old process gone. Two Session timeouts: one until the offline
+# sweep declares the Session lost (about when an agent that cannot heartbeat
+# should have stopped its work), one for the kill grace, the sweep interval
+# and clock skew.
 QINGLONG_LOST_EXECUTION_GRACE_S = env_int(
     "QL_LOST_EXECUTION_GRACE_S", 2 * QINGLONG_SESSION_TIMEOUT_S, minimum=0
 )
