@@ -463,12 +463,17 @@ def test_at_start_what_an_earlier_agent_left_running_is_ended_then_reported(
     orphan = subprocess.Popen(
         ["sleep", "60"], start_new_session=True, env={**os.environ, "QL_OFFER_ID": offer_id(1)}
     )
+    # Spawned just before the earlier agent died, before it recorded the pid:
+    # only its QL_OFFER_ID marker tells whose it is.
+    unrecorded = subprocess.Popen(
+        ["sleep", "60"], start_new_session=True, env={**os.environ, "QL_OFFER_ID": offer_id(5)}
+    )
     info = procfs.proc_info(orphan.pid)
     assert info is not None
     # What the earlier agent had journaled: one running, one whose report was
-    # owed, one in hand never started.
+    # owed, one in hand never started, one past the crash barrier.
     token = an_offer(1)["lease"]["token"]
-    for n in (1, 2, 3):
+    for n in (1, 2, 3, 5):
         journal.record_offer(
             offer_id=offer_id(n), spec_sha256="d" * 64, lease_token=token, session_id="old"
         )
@@ -476,6 +481,8 @@ def test_at_start_what_an_earlier_agent_left_running_is_ended_then_reported(
     journal.mark_spawning(offer_id(1))
     journal.mark_running(offer_id(1), pid=orphan.pid, start_time=info.start_time, pgid=orphan.pid)
     journal.mark_finished(offer_id(2), outcome=Outcome.EXITED, exit_code=0)
+    journal.mark_started(offer_id(5))
+    journal.mark_spawning(offer_id(5))
 
     plane = FakeControlPlane()
     plane.reconcile_answers = [Response(503, {}), Response(502, {})]
@@ -498,19 +505,22 @@ def test_at_start_what_an_earlier_agent_left_running_is_ended_then_reported(
 
     def watch(path: str, body: Mapping[str, Any], *, token: str) -> Response:
         if path.endswith("/sessions"):
-            orphan_gone_before_open.append(orphan.poll() is not None)
+            orphan_gone_before_open.append(
+                orphan.poll() is not None and unrecorded.poll() is not None
+            )
         return original(path, body, token=token)
 
     plane.post = watch  # type: ignore[method-assign]
     try:
         assert agent.run(once=True) == 0
     finally:
-        if orphan.poll() is None:
-            orphan.kill()
-        orphan.wait()
+        for process in (orphan, unrecorded):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
         journal.close()
     assert orphan_gone_before_open == [True]
-    assert orphan.returncode == -signal.SIGTERM
+    assert orphan.returncode == unrecorded.returncode == -signal.SIGTERM
     kinds = plane.kinds()
     assert kinds[:4] == ["sessions", "reconcile", "reconcile", "reconcile"] or (
         kinds.index("reconcile") < kinds.index("pull")
@@ -521,6 +531,7 @@ def test_at_start_what_an_earlier_agent_left_running_is_ended_then_reported(
         (offer_id(1), "killed", None),
         (offer_id(2), "exited", 0),
         (offer_id(3), "not_started", None),
+        (offer_id(5), "killed", None),
     }
     assert kinds.index("pull") > max(i for i, k in enumerate(kinds) if k == "reconcile")
     # The old offer came again in the pull: recognized, never spawned again.
