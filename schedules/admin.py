@@ -47,7 +47,15 @@ def _utc(value: datetime | None) -> str:
 class ScheduleAdmin(ReadOnlyAdmin):
     # Fits a 1400-px window beside the filters (issue 14); the overlap policy is
     # a filter and on the Schedule's page.
-    list_display = ("name", "task", "cron", "timezone", "paused", "next_fire_local", "next_fire_utc")
+    list_display = (
+        "name",
+        "task",
+        "cron",
+        "timezone",
+        "paused",
+        "next_fire_local",
+        "next_fire_utc",
+    )
     list_filter = ("paused", "overlap_policy", "timezone")
     list_select_related = ("task__project",)
     search_fields = ("name", "task__name", "task__project__slug")
