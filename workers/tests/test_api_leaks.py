@@ -154,6 +154,7 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
     rec.add("ack-starting", owner.ack(offer, "starting", token))
     rec.add("ack-running", owner.ack(offer, "running", token, executor_handle="pid:7"))
     rec.add("heartbeat", owner.heartbeat())
+    rec.add("heartbeat-held", owner.heartbeat(held=[offer["offer_id"], "ab" * 32]))
     rec.add("run-detail", client.get(f"{API}/runs/{run['id']}", **op))
     rec.add("runs", client.get(f"{API}/runs", **op))
     rec.add("cancel", post_json(client, f"{API}/runs/{run['id']}/cancel", {}, op))
@@ -172,7 +173,7 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
     )
     rec.add("schema", client.get("/api/schema/"))
     # The old session after a replacement: 401 on every call, with its token in the body.
-    rec.add(
+    reopened = rec.add(
         "session-owner-2",
         post_json(
             client,
@@ -181,7 +182,19 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
             bearer(owner_credential),
         ),
     )
+    sessions["owner-2"] = reopened.json()["session_token"]
     rec.add("pull-replaced", owner.pull(pull_id=pull_id, lease_token=token)[0])
+    # The reconcile report carries lease tokens in; nothing answers with one.
+    owner2 = WorkerClient(client, sessions["owner-2"], owner_worker)
+    report = {"offer_id": offer["offer_id"], "lease_token": token, "outcome": "exited"}
+    rec.add("reconcile", owner2.reconcile([{**report, "exit_code": 143}]))
+    rec.add("reconcile-again", owner2.reconcile([report]))
+    rec.add("reconcile-other", other.reconcile([report]))
+    rec.add("reconcile-replaced", owner.reconcile([report]))
+    rec.add("reconcile-bad-outcome", owner2.reconcile([{**report, "outcome": token}]))
+    rec.add("reconcile-bad-field", owner2.reconcile([{**report, token[:40]: token}]))
+    rec.add("heartbeat-held-2", owner2.heartbeat(held=[offer["offer_id"]]))
+    rec.add("run-detail-reconciled", client.get(f"{API}/runs/{run['id']}", **op))
 
     assert any(CANARY_ENV in body for label, body in rec.responses if label == "pull-owner")
     all_tokens = {token, *tokens}
