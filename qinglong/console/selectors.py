@@ -33,7 +33,13 @@ from dispatch.models import DispatchControl, DispatchCycle
 from leases.audit import PROBLEMS, LeaseFinding, audit_page
 from leases.models import LeaseState, RunLease
 from runs.models import Attempt, AttemptState, Run, RunState
-from workers.models import SESSION_CURRENT_STATES, SessionState, Worker, WorkerSession
+from workers.models import (
+    SESSION_CURRENT_STATES,
+    SessionState,
+    Worker,
+    WorkerAdminState,
+    WorkerSession,
+)
 
 __all__ = [
     "FINISHED_STATES",
@@ -189,8 +195,18 @@ class WorkerRow:
         return capacity(self.session_slots, self.worker_slots)
 
     @property
+    def takes_claims(self) -> bool:
+        # The row form of leases.policy.session_takes_claims: a draining
+        # Session or Worker keeps its leases but gets no new ones.
+        return (
+            self.session_state == SessionState.ONLINE
+            and self.admin_state == WorkerAdminState.ACTIVE
+        )
+
+    @property
     def free(self) -> int:
-        return free_slots(self.capacity, self.used) if self.current else 0
+        """Slots a claim could take now (0 while draining or disabled)."""
+        return free_slots(self.capacity, self.used) if self.takes_claims else 0
 
 
 def workers_with_slots(*, limit: int) -> tuple[list[WorkerRow], bool]:

@@ -35,6 +35,8 @@ from qinglong.testing import (
 )
 from runs.models import Attempt, Run, RunState
 from runs.services import run_enqueue, task_create
+from workers.models import WorkerAdminState
+from workers.services import worker_set_admin_state
 
 pytestmark = pytest.mark.django_db
 
@@ -104,6 +106,9 @@ def test_it_shows_runs_queue_workers_charts_and_the_switch(admin_client):
     worker, _ = make_worker("alpha", slots=3)
     session = open_session(worker).session
     make_worker("bravo")  # enrolled, never connected
+    charlie, _ = make_worker("charlie", slots=2)
+    open_session(charlie)
+    worker_set_admin_state(worker=charlie, admin_state=WorkerAdminState.DRAINING)
     queued = [run_enqueue(task=task) for _ in range(3)]
     claim(pending_attempt(queued[0]), session)
     for minutes in (1, 2, 2):
@@ -135,6 +140,13 @@ def test_it_shows_runs_queue_workers_charts_and_the_switch(admin_client):
     assert (rows["alpha"].used, rows["alpha"].capacity, rows["alpha"].free) == (1, 3, 2)
     assert rows["alpha"].heartbeat_at is not None
     assert (rows["bravo"].session_state, rows["bravo"].free) == (None, 0)
+    # Draining keeps its Session and leases but takes no claim: no free slot.
+    assert (rows["charlie"].current, rows["charlie"].capacity, rows["charlie"].free) == (
+        True,
+        2,
+        0,
+    )
+    assert context["slots_free"] == 2
     assert context["control"].paused
 
     body = response.content.decode()
