@@ -26,6 +26,7 @@ from leases.end import lease_expire, leases_revoke_over_delivered
 from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
 from leases.policy import SWEEP_BATCH, lease_expired_q
+from leases.timeout import attempt_time_out, attempts_overdue
 from qinglong.clock import db_now
 from workers.models import SESSION_ENDED_STATES, WorkerSession
 from workers.services import session_mark_offline_if_stale, sessions_stale
@@ -38,6 +39,7 @@ __all__ = [
     "sweep_expired_leases",
     "sweep_over_delivered_leases",
     "sweep_stale_sessions",
+    "sweep_timed_out_attempts",
 ]
 
 # Defaults keep one sweep well under a second on either database; a page or
@@ -137,6 +139,21 @@ def sweep_over_delivered_leases(
     return counts
 
 
+def sweep_timed_out_attempts(*, limit: int = SWEEP_BATCH) -> SweepCounts:
+    """End started Attempts past their timeout and margin `timed_out` (README "Run policies").
+
+    No agent needs to be there: the lease is revoked and the retry policy
+    decides. Each is re-checked under its row locks, so a terminal ACK that
+    won meanwhile is left alone.
+    """
+    counts = SweepCounts()
+    ids = attempts_overdue(now=db_now(), limit=limit)
+    for attempt_id in ids:
+        counts.record(attempt_time_out(attempt_id))
+    counts.truncated = len(ids) >= limit
+    return counts
+
+
 def prune_dispatch_cycles(
     *,
     retention_s: int | None = None,
@@ -222,11 +239,12 @@ def prune_ended_sessions(
 
 def run_all_sweeps() -> dict[str, dict[str, int | bool]]:
     """Every sweep once, in dependency order: sessions first (their leases end
-    with them), then expiry, then over-delivery, then retention."""
+    with them), then expiry, then over-delivery, then timeouts, then retention."""
     return {
         "stale_sessions": sweep_stale_sessions().as_dict(),
         "expired_leases": sweep_expired_leases().as_dict(),
         "over_delivered_leases": sweep_over_delivered_leases().as_dict(),
+        "timed_out_attempts": sweep_timed_out_attempts().as_dict(),
         "pruned_cycles": prune_dispatch_cycles().as_dict(),
         "pruned_sessions": prune_ended_sessions().as_dict(),
     }

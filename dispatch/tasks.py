@@ -21,6 +21,7 @@ from dispatch.sweeps import (
     sweep_expired_leases,
     sweep_over_delivered_leases,
     sweep_stale_sessions,
+    sweep_timed_out_attempts,
 )
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "sweep_expired_leases_task",
     "sweep_over_delivered_leases_task",
     "sweep_stale_sessions_task",
+    "sweep_timed_out_attempts_task",
 ]
 
 _notifier: RedisOfferNotifier | None = None
@@ -70,6 +72,11 @@ def sweep_stale_sessions_task() -> dict[str, int | bool]:
 @shared_task(name="dispatch.tasks.sweep_over_delivered_leases_task")
 def sweep_over_delivered_leases_task() -> dict[str, int | bool]:
     return sweep_over_delivered_leases().as_dict()
+
+
+@shared_task(name="dispatch.tasks.sweep_timed_out_attempts_task")
+def sweep_timed_out_attempts_task() -> dict[str, int | bool]:
+    return sweep_timed_out_attempts().as_dict()
 
 
 @shared_task(name="dispatch.tasks.prune_dispatch_cycles_task")

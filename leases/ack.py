@@ -17,6 +17,7 @@ import enum
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from types import MappingProxyType
 from typing import Final
 
@@ -172,6 +173,9 @@ def lease_ack(
                     reason="ack_starting",
                     actor=actor,
                     started_at=now,
+                    # README "Run policies": past this (and a margin) the
+                    # control plane stops it and ends it `timed_out`.
+                    deadline_at=now + timedelta(seconds=run.task_revision.timeout_s),
                 )
                 run_transition(run, RunState.RUNNING)
                 lease_extend(lease, expires_at=now + policy.lease_ttl())

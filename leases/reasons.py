@@ -35,6 +35,9 @@ class EndReason(enum.StrEnum):
     UNDELIVERABLE = UNDELIVERABLE_REASON
     # Past expires_at (the expiry sweep or the audit).
     LEASE_EXPIRED = "lease_expired"
+    # Started and past its Task's timeout_s (+ QL_TIMEOUT_MARGIN_S): the
+    # control plane stopped it (leases.timeout, README "Run policies").
+    TIMED_OUT = "timed_out"
 
 
 # A lost execution whose retry may start at once: the agent itself said it
@@ -51,3 +54,5 @@ class WaitReason(enum.StrEnum):
     LOST_EXECUTION_GRACE = "lost_execution_grace"
     # Its offer was over-delivered; it waits one redelivery backoff.
     REDELIVERY_BACKOFF = "redelivery_backoff"
+    # The Task's retry policy: retry n waits retry_backoff_s * 2**(n-1), capped.
+    RETRY_BACKOFF = "retry_backoff"

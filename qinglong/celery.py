@@ -90,6 +90,11 @@ app.conf.update(
             "schedule": 5.0,
             "options": {"expires": _SWEEP_EXPIRES_S},
         },
+        "sweep-timed-out-attempts": {
+            "task": "dispatch.tasks.sweep_timed_out_attempts_task",
+            "schedule": 5.0,
+            "options": {"expires": _SWEEP_EXPIRES_S},
+        },
         "prune-dispatch-cycles": {
             "task": "dispatch.tasks.prune_dispatch_cycles_task",
             # Every pull records a cycle (a Worker polling each second adds

@@ -217,6 +217,10 @@ QINGLONG_LEASE_SECRET = env_str(
 )
 QINGLONG_HEARTBEAT_INTERVAL_S = env_int("QL_HEARTBEAT_INTERVAL_S", 10, minimum=1)
 QINGLONG_SESSION_TIMEOUT_S = env_int("QL_SESSION_TIMEOUT_S", 30, minimum=2)
+# README "Run policies": an Attempt running this long past its Task's timeout_s
+# is stopped by the control plane (heartbeat `stop`) and ended `timed_out`
+# (leases.timeout); the margin lets the agent's own timeout act first.
+QINGLONG_TIMEOUT_MARGIN_S = env_int("QL_TIMEOUT_MARGIN_S", 30, minimum=0)
 # docs/adr/0005: the retry of an execution the control plane lost sight of
 # (its Session replaced, offline or fenced) waits this long unless the Worker
 # confirms the old process gone. Two Session timeouts: one until the offline

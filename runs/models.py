@@ -246,6 +246,10 @@ class Attempt(models.Model):
     not_before_reason = models.CharField(max_length=32, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
+    # started_at + the revision's timeout_s, set by the starting ACK: past it
+    # (and a margin) the control plane stops the Attempt and ends it
+    # `timed_out`, agent or no agent (leases.timeout, README "Run policies").
+    deadline_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -271,6 +275,12 @@ class Attempt(models.Model):
                 "id",
                 name="attempt_candidate_keyset",
                 condition=Q(state="pending"),
+            ),
+            # The timeout sweep: started Attempts by deadline (leases.timeout).
+            models.Index(
+                fields=["deadline_at", "id"],
+                name="attempt_started_deadline",
+                condition=Q(state__in=["starting", "running"]),
             ),
         ]
 

@@ -34,6 +34,7 @@ from leases.policy import SWEEP_BATCH, session_is_current
 from leases.reasons import EndReason
 from leases.renew import leases_renew_for_session
 from leases.selectors import cancelled_offer_ids, offers_to_stop
+from leases.timeout import timed_out_offer_ids
 from notifications.services import worker_offline_emit
 from qinglong.clock import db_now
 from workers.models import (
@@ -398,6 +399,19 @@ def session_heartbeat(
     )
 
 
+def _stop_verdicts(
+    session: WorkerSession, *, held: Collection[str] | None, now: datetime
+) -> list[str]:
+    """Offers to stop now: listed as held but no longer this Session's to run
+    (docs/adr/0005), and started ones past their timeout (leases.timeout),
+    listed or not."""
+    stop = [] if held is None else offers_to_stop(session, held)
+    listed = set(stop)
+    return stop + [
+        offer for offer in timed_out_offer_ids(session.pk, now=now) if offer not in listed
+    ]
+
+
 def _heartbeat_answer(
     session: WorkerSession,
     *,
@@ -410,7 +424,7 @@ def _heartbeat_answer(
     return Heartbeat(
         session_state=SessionState(session.state),
         cancel=cancelled_offer_ids(session),
-        stop=[] if held is None else offers_to_stop(session, held),
+        stop=_stop_verdicts(session, held=held, now=now),
         server_time=now,
         renewed=renewed,
         recorded=recorded,

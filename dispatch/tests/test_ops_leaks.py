@@ -28,6 +28,7 @@ from qinglong.testing import (
     open_session,
 )
 from runs.services import run_enqueue, task_create
+from schedules import tasks as schedule_tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -78,6 +79,7 @@ def test_celery_dispatch_task_result_and_messages_carry_no_spec_or_token(canary_
     # What beat sends: no arguments at all, so nothing can ride along.
     for entry in app.conf.beat_schedule.values():
         assert not entry.get("args") and not entry.get("kwargs")
+    assert schedule_tasks.evaluate_schedules_task.name in app.tasks  # registered
     sent = {
         name: app.tasks[name].apply().get()
         for name in (
@@ -86,6 +88,8 @@ def test_celery_dispatch_task_result_and_messages_carry_no_spec_or_token(canary_
             "dispatch.tasks.sweep_over_delivered_leases_task",
             "dispatch.tasks.prune_dispatch_cycles_task",
             "dispatch.tasks.prune_ended_sessions_task",
+            "dispatch.tasks.sweep_timed_out_attempts_task",
+            "schedules.tasks.evaluate_schedules_task",
         )
     }
     assert_clean(json.dumps(sent))

@@ -169,6 +169,7 @@ def test_run_all_sweeps_returns_only_counts():
         "stale_sessions",
         "expired_leases",
         "over_delivered_leases",
+        "timed_out_attempts",
         "pruned_cycles",
         "pruned_sessions",
     }
