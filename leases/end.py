@@ -33,6 +33,7 @@ from typing import Unpack
 
 from django.db import IntegrityError, transaction
 
+from dispatch.core.spec import RetryOn, RunPolicy
 from leases import policy
 from leases.errors import LostRace, Outcome
 from leases.locks import lock_active_attempt, lock_active_lease, lock_lease_chain, lock_run
@@ -48,7 +49,7 @@ from leases.transitions import (
 )
 from qinglong.clock import db_now
 from qinglong.metrics import LEASE_EXPIRIES, LOST_RACES
-from runs.models import RUN_TERMINAL_STATES, Attempt, AttemptState, Run, RunState
+from runs.models import RUN_TERMINAL_STATES, Attempt, AttemptState, Run, RunState, TaskRevision
 
 __all__ = [
     "EndKind",
@@ -86,10 +87,11 @@ def attempt_finish(
     """Move an Attempt to a terminal state and apply the retry policy to its Run.
 
     `start_failed`/`failed`/`lost` create the next Attempt while attempts <
-    max_attempts (the Run goes back to `queued`), else the Run fails. A Run
-    whose cancellation was requested ends `cancelled`, whatever the outcome.
-    The next Attempt may be claimed from `retry_not_before` on (its
-    `not_before`, `retry_wait_reason` saying why).
+    max_attempts and the revision's `retry_on` covers the failure (the Run
+    goes back to `queued`), else the Run fails. A Run whose cancellation was
+    requested ends `cancelled`, whatever the outcome. The next Attempt may be
+    claimed from `retry_not_before` on, or after the revision's retry backoff
+    if that is later (its `not_before`, `retry_wait_reason` saying why).
     """
     attempt_transition(attempt, to_state, reason=reason, actor=actor, finished_at=now, **report)
     if run.cancel_requested:
@@ -101,7 +103,18 @@ def attempt_finish(
     if to_state == AttemptState.CANCELLED:
         run_transition(run, RunState.CANCELLED, finished_at=now)
         return
-    if attempt.number < run.task_revision.max_attempts:
+    run_policy = _run_policy(run.task_revision)
+    # README "Run policies": `retry_on` says which failures get another
+    # Attempt. A lost execution is the Worker's failure; a failed or
+    # start_failed one, and a control-plane timeout, the script's.
+    lost = to_state == AttemptState.LOST and reason != EndReason.TIMED_OUT
+    if attempt.number < run.task_revision.max_attempts and run_policy.retries(lost=lost):
+        backoff_s = run_policy.backoff_s(retry_number=attempt.number)
+        if backoff_s:
+            # The retry backoff and any grace the caller asked for: the later wins.
+            backoff_until = now + timedelta(seconds=backoff_s)
+            if retry_not_before is None or backoff_until > retry_not_before:
+                retry_not_before, retry_wait_reason = backoff_until, WaitReason.RETRY_BACKOFF
         run_transition(run, RunState.QUEUED)
         try:
             with transaction.atomic():
@@ -118,6 +131,16 @@ def attempt_finish(
             raise LostRace(f"run {run.pk} already has a next attempt") from None
         return
     run_transition(run, RunState.FAILED, finished_at=now)
+
+
+def _run_policy(revision: TaskRevision) -> RunPolicy:
+    """The run policies pinned in the Run's revision (validated when it was saved)."""
+    return RunPolicy(
+        max_concurrent_runs=revision.max_concurrent_runs,
+        retry_on=RetryOn(revision.retry_on),
+        retry_backoff_s=revision.retry_backoff_s,
+        retry_backoff_max_s=revision.retry_backoff_max_s,
+    )
 
 
 # --------------------------------------------------------------- lease ending
