@@ -1,15 +1,17 @@
 """The claim: the only path that creates a RunLease (docs/adr/0002).
 
 One transaction locks the Run and the Attempt and checks their state and
-version, checks the Project quota, locks the Worker Session and checks that
-it takes claims, that the pull id carries one token, and that it has a free
-slot (an over-delivered Attempt waits out its backoff in `not_before`, which
-the candidate read honours, and may then go to any Worker: docs/adr/0005);
-then it moves the Attempt `pending → claimed` (lease generation + 1) and the
-Run `queued → dispatching`, and inserts the lease. Any check that fails
-changes nothing and answers why (`ClaimStatus`), as the kernel's `ClaimPort`
-asks; the in-memory fake (`dispatch.core.fakes.FakeClaimPort`) answers the
-same scenarios the same way (dispatch/tests/test_port_contract.py).
+version, checks the Project and Task quotas (`leases.quota`), locks the
+Worker Session and checks that it takes claims, that the pull id carries one
+token, and that it has a free slot (an over-delivered Attempt waits out its
+backoff in `not_before`, which the candidate read honours, and may then go to
+any Worker: docs/adr/0005); then it moves the Attempt `pending → claimed`
+(lease generation + 1) and the Run `queued → dispatching`, and inserts the
+lease. Any check that fails changes nothing and answers why (`ClaimStatus`),
+as the kernel's `ClaimPort` asks; the in-memory fake
+(`dispatch.core.fakes.FakeClaimPort`) answers the same scenarios the same way
+(dispatch/tests/test_port_contract.py; the fake models the Project quota, the
+Task limit is tested against the database: leases/tests/test_task_quota.py).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from dispatch.core.policy import free_slots
 from dispatch.core.ports import ClaimOutcome, ClaimRequest, ClaimStatus
 from leases import policy
 from leases.errors import LostRace
-from leases.locks import lock_attempt, lock_project, lock_run, lock_session
+from leases.locks import lock_attempt, lock_run, lock_session
 from leases.models import RunLease
+from leases.quota import quota_blocker
 from leases.selectors import active_lease_count, pull_id_conflicts
 from leases.transitions import attempt_transition, run_transition
 from qinglong.clock import db_now
 from qinglong.metrics import CLAIMS, LOST_RACES
-from runs.models import AttemptState, Project, Run, RunState
+from runs.models import AttemptState, RunState
 
 __all__ = ["DatabaseClaimPort", "lease_claim"]
 
@@ -56,7 +59,17 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
                 or attempt.lease_generation + 1 != request.lease_generation
             ):
                 return lost
-            if not _project_has_room(run.project):
+            # The Project's and the Task's concurrency limits (leases.quota): the
+            # Project row, then the Task row, locked only when it has a limit.
+            if (
+                quota_blocker(
+                    project=run.project,
+                    task_id=run.task_id,
+                    task_limit=run.task_revision.max_concurrent_runs,
+                    lock=True,
+                )
+                is not None
+            ):
                 return lost
             # The Session: slot accounting must see every committed lease of
             # this Session, and a replacement must wait for this claim.
@@ -113,21 +126,6 @@ def lease_claim(request: ClaimRequest) -> ClaimOutcome:
         },
     )
     return ClaimOutcome(status=ClaimStatus.WON, lease_id=str(lease.pk), expires_at=lease.expires_at)
-
-
-def _project_has_room(project: Project) -> bool:
-    """`Project.max_concurrent_runs` (0 = no limit), inside the claim transaction.
-
-    The Project row is locked so that two claims in one Project cannot both
-    take its last slot; a Project without a quota is never locked.
-    """
-    if not project.max_concurrent_runs:
-        return True
-    lock_project(project.pk)
-    active = Run.objects.filter(
-        project_id=project.pk, state__in=(RunState.DISPATCHING, RunState.RUNNING)
-    ).count()
-    return active < project.max_concurrent_runs
 
 
 class DatabaseClaimPort:
