@@ -130,3 +130,12 @@ def test_run_dispatcher_evaluates_schedules_before_its_cycles() -> None:
     assert events[-1]["event"] == "stopped" and events[-1]["fires"] >= 1
     assert any(e["event"] == "schedules" for e in events)
     assert ScheduleFire.objects.filter(schedule=schedule).exists()
+
+
+def test_seed_demo_creates_a_schedule_every_ten_seconds_once(settings) -> None:
+    settings.DEBUG = True
+    call_command("seed_demo", "--runs", "0", stdout=StringIO())
+    call_command("seed_demo", "--runs", "0", stdout=StringIO())
+    demo = Schedule.objects.get(name="every-10s")
+    assert (demo.cron, demo.timezone, demo.task.name) == ("*/10 * * * * *", "UTC", "hello")
+    assert demo.next_fire_at is not None and demo.next_fire_at.second % 10 == 0

@@ -10,6 +10,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from runs.models import Project, Task
 from runs.services import project_create, run_enqueue, task_create
+from schedules.models import Schedule
+from schedules.services import schedule_create
 
 DEMO_TASKS: dict[str, dict[str, object]] = {
     "hello": {
@@ -29,8 +31,14 @@ DEMO_TASKS: dict[str, dict[str, object]] = {
 }
 
 
+DEMO_SCHEDULE = "every-10s"
+
+
 class Command(BaseCommand):
-    help = "Create the demo Project, Tasks and Runs and a development admin login (DEBUG only)."
+    help = (
+        "Create the demo Project, Tasks, Runs and a Schedule firing every 10 seconds, and a "
+        "development admin login (DEBUG only)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--runs", type=int, default=3, help="Runs to enqueue per demo task.")
@@ -62,5 +70,16 @@ class Command(BaseCommand):
                 for _ in range(runs):
                     run_enqueue(task=task)
                     created += 1
+        # A Schedule that fires every 10 seconds, so a newcomer sees it work:
+        # its Runs appear in the admin and its ledger under Schedule fires.
+        hello = Task.objects.get(project=project, name="hello")
+        if not Schedule.objects.filter(task=hello, name=DEMO_SCHEDULE).exists():
+            schedule_create(
+                task=hello,
+                name=DEMO_SCHEDULE,
+                definition={"cron": "*/10 * * * * *", "timezone": "UTC", "overlap_policy": "skip"},
+                actor="seed_demo",
+            )
         self.stdout.write(f"demo data ready: project 'demo', {created} new runs enqueued")
+        self.stdout.write(f"demo schedule '{DEMO_SCHEDULE}': hello every 10 seconds")
         self.stdout.write(f"admin login (development only): admin / {admin_password}")
