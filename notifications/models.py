@@ -21,13 +21,15 @@ from django.db.models import Q
 
 
 class WebhookEvent(models.TextChoices):
-    RUN_FAILED = "run.failed"  # a Run ended failed (out of attempts)
-    RUN_SUCCEEDED = "run.succeeded"  # a Run ended succeeded
-    RUN_TIMED_OUT = "run.timed_out"  # a Run ended failed because its last Attempt timed out
-    SCHEDULE_MISSED = "schedule.missed"  # a schedule's slot passed without a Run
-    WORKER_OFFLINE = "worker.offline"  # a Worker's Session stopped heartbeating
+    # Labelled with their wire names: what the admin shows is what receivers get.
+    RUN_FAILED = "run.failed", "run.failed"  # a Run ended failed (out of attempts)
+    RUN_SUCCEEDED = "run.succeeded", "run.succeeded"  # a Run ended succeeded
+    # a Run ended failed because its last Attempt timed out
+    RUN_TIMED_OUT = "run.timed_out", "run.timed_out"
+    SCHEDULE_MISSED = "schedule.missed", "schedule.missed"  # a schedule's slot passed without a Run
+    WORKER_OFFLINE = "worker.offline", "worker.offline"  # a Worker's Session stopped heartbeating
     # Not subscribable: the admin's "send test" action sends it to one subscription.
-    TEST = "webhook.test"
+    TEST = "webhook.test", "webhook.test"
 
 
 SUBSCRIBABLE_EVENTS = tuple(e for e in WebhookEvent if e is not WebhookEvent.TEST)
@@ -92,6 +94,7 @@ class WebhookDelivery(models.Model):
 
     class Meta:
         ordering = ["-id"]
+        verbose_name_plural = "webhook deliveries"
         constraints = [
             models.UniqueConstraint(
                 fields=["subscription", "subject_key"], name="webhookdelivery_once_per_change"
