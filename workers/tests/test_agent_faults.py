@@ -36,6 +36,7 @@ import pytest
 from django.db import OperationalError
 from django.test import override_settings
 
+from dispatch.sweeps import sweep_stale_sessions
 from leases.end import lease_revoke
 from leases.models import RunLease
 from qinglong.testing import make_project, make_worker
@@ -415,3 +416,43 @@ def test_a_lease_revoked_under_a_running_job_is_stopped_by_the_heartbeat_answer(
     [done] = [e for e in agent.events() if e["event"] == "attempt_done"]
     assert (done["ran"], done["stopped"]) == (True, "stopped")
     assert not any(e["event"] == "heartbeat_held_unsupported" for e in events)
+
+
+@override_settings(
+    QINGLONG_HEARTBEAT_INTERVAL_S=1,
+    QINGLONG_HEARTBEAT_MIN_INTERVAL_S=0,
+    QINGLONG_SESSION_TIMEOUT_S=2,
+    QINGLONG_LOST_EXECUTION_GRACE_S=120,
+)
+def test_finding_1_another_worker_does_not_start_the_retry_beside_the_orphan(
+    live_server, setup, tmp_path
+) -> None:
+    """The agent stays dead for a while: its Session goes offline and another
+    Worker is idle. The retry waits (the lost-execution grace) instead of
+    running beside the orphan, until the restarted agent has ended the orphan
+    and reported it."""
+    run, first_agent, log = setup(live_server.url, long_s=60)
+    first_agent.start()
+    eventually(lambda: len(executions(log)) == 1 and attempt_running(run), 30, "running")
+    [first] = executions(log)
+    _, other_credential = make_worker(slots=1)
+    other_file = tmp_path / "other.credential"
+    other_file.write_text(other_credential)
+    other = AgentProcess(live_server.url, other_file, tmp_path / "other-state", tmp_path)
+    other.start()
+    try:
+        first_agent.kill9()
+        time.sleep(2.5)
+        assert sweep_stale_sessions().applied == 1  # the first Worker's Session: offline
+        time.sleep(3)  # the other Worker pulls all along
+        assert len(executions(log)) == 1 and alive(first.pid)
+        lost = Attempt.objects.get(run=run, number=1)
+        assert (lost.state, lost.error_code) == ("lost", "worker_lost")
+
+        first_agent.start()  # ends the orphan, reports it: the retry may go
+        eventually(lambda: Run.objects.get(pk=run.pk).state == "succeeded", 30, "retry done")
+    finally:
+        other.stop()
+    runs = executions(log)
+    assert_no_overlap(runs)
+    assert len(runs) == 2 and not alive(first.pid)
