@@ -235,3 +235,23 @@ def test_two_sweeps_at_once_time_an_attempt_out_once() -> None:
     assert sorted(map(str, results)) == sorted(map(str, [Outcome.APPLIED, Outcome.UNCHANGED]))
     assert Attempt.objects.filter(run=run).count() == 2  # one retry, not two
     assert RunLease.objects.filter(run=run, end_reason=TIMED_OUT).count() == 1
+
+
+@pytest.mark.django_db
+@override_settings(QINGLONG_TIMEOUT_MARGIN_S=0)
+def test_the_heartbeat_answer_carries_the_stop_verdict_with_or_without_held() -> None:
+    from workers.services import session_heartbeat
+
+    run = make_run(timeout_s=1)
+    session, offer_id, _token, _lease = _start(run, running=True)
+    assert session_heartbeat(session=session, draining=False, held=[offer_id]).stop == []
+    time.sleep(1.05)
+    session.refresh_from_db()
+    # An older agent (no `held`) and a current one both hear it.
+    assert session_heartbeat(session=session, draining=False).stop == [offer_id]
+    session.refresh_from_db()
+    assert session_heartbeat(session=session, draining=False, held=[offer_id]).stop == [offer_id]
+    # After the sweep ended it, a current agent listing it still hears stop.
+    sweep_timed_out_attempts()
+    session.refresh_from_db()
+    assert session_heartbeat(session=session, draining=False, held=[offer_id]).stop == [offer_id]

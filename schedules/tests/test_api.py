@@ -309,7 +309,8 @@ def test_the_schema_documents_every_operation_and_its_permissions(client: Client
 # -------------------------------------------------------------------- leaks
 
 
-def test_no_task_secret_appears_in_any_schedule_response(client: Client, op) -> None:
+def test_no_task_secret_appears_in_any_schedule_response(client: Client, op, caplog) -> None:
+    caplog.set_level("DEBUG")
     from schedules.tests.helpers import at, make_schedule
 
     secret_task = task_create(
@@ -326,7 +327,7 @@ def test_no_task_secret_appears_in_any_schedule_response(client: Client, op) -> 
         post_json(client, f"{path}/pause", {"reason": "r"}, op).content,
         create(client, secret_task, op, cron="bad").content,
     ]
-    for body in bodies:
-        text = body.decode()
+    for text in [body.decode() for body in bodies] + [caplog.text]:
         for canary in (CANARY_COMMAND, CANARY_ENV, CANARY_CWD):
             assert canary not in text
+    assert "schedule_created" in caplog.text or "schedule created" in caplog.text
