@@ -19,8 +19,9 @@ from django.test import Client
 
 from dispatch.models import DispatchCycle
 from leases.models import RunLease
+from output.models import OutputChunk
 from qinglong.testing import CANARY_COMMAND, CANARY_CWD, CANARY_ENV, canary_definition, make_worker
-from runs.models import AttemptEvent
+from runs.models import Attempt, AttemptEvent
 from workers.tests.api_helpers import (
     API,
     WORKER_API,
@@ -153,13 +154,28 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
     )
     rec.add("ack-starting", owner.ack(offer, "starting", token))
     rec.add("ack-running", owner.ack(offer, "running", token, executor_handle="pid:7"))
+    # Live output (issue 14): the process printed its env; stored and served redacted.
+    output_url = f"{WORKER_API}/leases/{offer['offer_id']}/output"
+    printed = {"lease_token": token, "seq": 1, "chunk": f"env: {CANARY_ENV}\n"}
+    rec.add("output", post_json(client, output_url, printed, bearer(owner.token)))
+    rec.add("output-again", post_json(client, output_url, printed, bearer(owner.token)))
+    rec.add("output-other", post_json(client, output_url, printed, bearer(other.token)))
+    wrong = {**printed, "lease_token": new_lease_token()}
+    rec.add("output-wrong-token", post_json(client, output_url, wrong, bearer(owner.token)))
+    bad_seq = {**printed, "seq": token}
+    rec.add("output-bad", post_json(client, output_url, bad_seq, bearer(owner.token)))
+    rec.add("run-output", client.get(f"{API}/runs/{run['id']}/output", **op))
     rec.add("heartbeat", owner.heartbeat())
     rec.add("heartbeat-held", owner.heartbeat(held=[offer["offer_id"], "ab" * 32]))
     rec.add("run-detail", client.get(f"{API}/runs/{run['id']}", **op))
     rec.add("runs", client.get(f"{API}/runs", **op))
     rec.add("cancel", post_json(client, f"{API}/runs/{run['id']}/cancel", {}, op))
     rec.add("heartbeat-cancel", owner.heartbeat())
-    rec.add("ack-failed", owner.ack(offer, "failed", token, exit_code=143, output_tail="bye"))
+    rec.add(
+        "ack-failed",
+        owner.ack(offer, "failed", token, exit_code=143, output_tail=f"bye {CANARY_ENV}"),
+    )
+    rec.add("run-output-end", client.get(f"{API}/runs/{run['id']}/output?after=0", **op))
     rec.add("ack-after", owner.ack(offer, "starting", token))
     rec.add("run-detail-end", client.get(f"{API}/runs/{run['id']}", **op))
     rec.add("projects", client.get(f"{API}/projects", **op))
@@ -197,6 +213,8 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
     rec.add("run-detail-reconciled", client.get(f"{API}/runs/{run['id']}", **op))
 
     assert any(CANARY_ENV in body for label, body in rec.responses if label == "pull-owner")
+    # The output really was stored and served, redacted.
+    assert any("env: [redacted]" in body for label, body in rec.responses if label == "run-output")
     all_tokens = {token, *tokens}
     for label, text in rec.responses:
         if label != "pull-owner":
@@ -220,6 +238,8 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
         DispatchCycle.objects.values(),
         AttemptEvent.objects.values(),
         RunLease.objects.values(),
+        OutputChunk.objects.values(),
+        Attempt.objects.values("output_tail"),
     ):
         text = str(list(rows))
         for secret in (*CANARIES, *all_tokens):
