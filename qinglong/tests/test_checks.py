@@ -29,6 +29,7 @@ DEFAULTS: dict[str, int] = {
     "lease_ttl_s": 60,
     "redelivery_backoff_s": 5,
     "max_deliveries": 5,
+    "max_delivery_rounds": 3,
 }
 
 

@@ -75,6 +75,17 @@ def test_bad_environment_value_stops_startup_naming_it():
     assert "QL_DISPATCH_MAX_CLAIM_ATTEMPTS" in result.stderr
 
 
+def test_lost_execution_grace_defaults_to_two_session_timeouts_and_refuses_a_negative():
+    show = "from django.conf import settings; print(settings.QINGLONG_LOST_EXECUTION_GRACE_S)"
+    derived = _manage("shell", "-v0", "-c", show, QL_SESSION_TIMEOUT_S="45", SECRET_KEY="x" * 60)
+    assert derived.stdout.strip() == "90", derived.stderr
+    chosen = _manage("shell", "-v0", "-c", show, QL_LOST_EXECUTION_GRACE_S="0", SECRET_KEY="x" * 60)
+    assert chosen.stdout.strip() == "0", chosen.stderr
+    bad = _manage("check", QL_LOST_EXECUTION_GRACE_S="-1", SECRET_KEY="x" * 60)
+    assert bad.returncode != 0
+    assert "QL_LOST_EXECUTION_GRACE_S" in bad.stderr
+
+
 def test_check_deploy_is_clean_with_production_settings():
     key = "k3y-" + "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOP"
     result = _manage(

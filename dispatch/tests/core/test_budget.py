@@ -13,6 +13,8 @@ def test_defaults_pass_and_match_the_adr() -> None:
     assert (budget.candidate_page_size, budget.candidate_max_pages) == (8, 2)
     assert (budget.worker_page_size, budget.worker_max_pages) == (8, 2)
     assert budget.max_claim_attempts == 8
+    # docs/adr/0005: an Attempt over-delivered three times fails its Run.
+    assert (budget.max_deliveries, budget.max_delivery_rounds) == (5, 3)
 
 
 def test_hard_caps() -> None:
@@ -36,6 +38,7 @@ def test_values_at_the_caps_pass() -> None:
         "lease_ttl_s": 86400,
         "redelivery_backoff_s": 0,
         "max_deliveries": 100,
+        "max_delivery_rounds": 100,
     }
     assert budget_violations(at_caps) == []
     assert DispatchBudget.from_mapping(at_caps).worker_limit == 64
@@ -59,6 +62,8 @@ def test_values_at_the_caps_pass() -> None:
         ("redelivery_backoff_s", 3601),
         ("max_deliveries", 0),
         ("max_deliveries", 101),
+        ("max_delivery_rounds", 0),
+        ("max_delivery_rounds", 101),
     ],
 )
 def test_each_out_of_range_value_is_a_violation_naming_key_value_and_cap(
