@@ -177,6 +177,8 @@ def test_generated_requests_get_documented_conforming_non_5xx_responses(client: 
         "schedules_run_now": {"schedule_id": str(schedule.pk)},
         "schedules_fires": {"schedule_id": str(schedule.pk)},
         "worker_lease_ack": {"offer_id": offer["offer_id"]},
+        "worker_lease_output": {"offer_id": offer["offer_id"]},
+        "runs_output": {"run_id": str(runs[2].pk)},
         "runs_retrieve": {"run_id": str(runs[0].pk)},
         "runs_cancel": {"run_id": str(runs[1].pk)},
         "tasks_create": {"slug": "p"},
@@ -184,7 +186,8 @@ def test_generated_requests_get_documented_conforming_non_5xx_responses(client: 
     }
 
     with _served_schema() as operations:
-        assert len(operations) == 21  # 9 of schedules (sched13)
+        # 9 of schedules (issue 13), reconcile (issue 10), 2 of live output (issue 14).
+        assert len(operations) == 24
         cases: Counter[str] = Counter()
         statuses: Counter[int] = Counter()
         for operation in operations:
@@ -277,7 +280,7 @@ def test_a_view_only_staff_user_reads_and_is_refused_every_write(client: Any) ->
     by_method: Counter[tuple[str, int]] = Counter()
     with _served_schema() as operations:
         operator_ops = [op for op in operations if not op.path.startswith("/api/v1/worker/")]
-        assert len(operator_ops) == 17  # 9 of schedules (sched13)
+        assert len(operator_ops) == 18  # 9 of schedules (issue 13), a Run's output (issue 14)
         for operation in operator_ops:
             for _mode, strategy in _strategies(operation, fixed_paths):
                 seen = Counter(statuses)
