@@ -104,19 +104,21 @@ def leases_not_held(
     )
 
 
-def offers_to_stop(session: WorkerSession, held: Collection[str]) -> list[str]:
+def offers_to_stop(session: WorkerSession, held: Collection[str], *, now: datetime) -> list[str]:
     """The ids of `held` this Session's agent must stop now (heartbeat `stop`).
 
-    Every id that is not an active lease of this Session whose Attempt is
-    still claimed or started under it: ended, released, revoked, stale,
-    unknown, or another Worker's — one answer for all, so a heartbeat never
-    tells whether an id exists elsewhere. In the order listed, once each.
+    Every id that is not a live lease of this Session whose Attempt is still
+    claimed or started under it: ended, released, revoked, expired (the
+    sweep ends it; its ACKs are refused already), stale, unknown, or another
+    Worker's — one answer for all, so a heartbeat never tells whether an id
+    exists elsewhere. In the order listed, once each.
     """
     listed = list(dict.fromkeys(held))[:_HELD_CAP]
     if not listed:
         return []
     live = set(
         RunLease.objects.filter(
+            policy.lease_live_q(now),
             session=session,
             offer_id__in=listed,
             state=LeaseState.ACTIVE,

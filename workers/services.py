@@ -405,7 +405,7 @@ def _stop_verdicts(
     """Offers to stop now: listed as held but no longer this Session's to run
     (docs/adr/0005), and started ones past their timeout (leases.timeout),
     listed or not."""
-    stop = [] if held is None else offers_to_stop(session, held)
+    stop = [] if held is None else offers_to_stop(session, held, now=now)
     listed = set(stop)
     return stop + [
         offer for offer in timed_out_offer_ids(session.pk, now=now) if offer not in listed

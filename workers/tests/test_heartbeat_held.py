@@ -16,6 +16,7 @@ from django.test.utils import override_settings
 
 from leases.models import LeaseState, RunLease
 from leases.tests.timeshift import rewind
+from qinglong.clock import db_now
 from qinglong.testing import make_run, make_task
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 from workers.tests.api_helpers import PHASE_EXTRA, WorkerClient, error_code, state_snapshot
@@ -165,6 +166,19 @@ def test_stop_names_listed_ids_that_are_not_live_leases_of_this_session(client: 
     # The other Worker's lease is untouched by it.
     lease = RunLease.objects.get(offer_id=foreign["offer_id"])
     assert (lease.state, lease.attempt.state) == (LeaseState.ACTIVE, AttemptState.RUNNING)
+
+
+@every_beat
+def test_a_listed_lease_past_its_expiry_is_a_stop(client: Client) -> None:
+    # Not renewed in time (the agent was cut off): its ACKs are refused and the
+    # expiry sweep ends it, so the agent must not keep it running.
+    worker = WorkerClient.open(client, slots=1)
+    make_run()
+    ((offer, _),) = _take(worker, 1)
+    RunLease.objects.filter(offer_id=offer["offer_id"]).update(expires_at=db_now())
+    beat = worker.heartbeat(held=[offer["offer_id"]])
+    assert beat.status_code == 200, beat.content
+    assert beat.json()["stop"] == [offer["offer_id"]]
 
 
 @every_beat
