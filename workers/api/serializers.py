@@ -150,9 +150,11 @@ class HeartbeatResponseSerializer(BodySerializer):
     stop = serializers.ListField(
         child=serializers.CharField(),
         help_text=(
-            "Ids from `held` to stop now: not an active lease of this Session whose Attempt "
-            "is still claimed or started under it (ended, released, revoked, unknown, or "
-            "another Worker's: one answer for all). Always empty without `held`."
+            "Offers to stop now. Ids from `held` that are not a live lease of this Session "
+            "whose Attempt is still claimed or started under it (ended, released, revoked, "
+            "expired, unknown, or another Worker's: one answer for all); and, listed or not, "
+            "this Session's started offers past their Task's timeout (README \"Run "
+            'policies"). Without `held`, only the latter.'
         ),
     )
     server_time = serializers.DateTimeField()
