@@ -1,4 +1,4 @@
-"""Live output of running Attempts: bounded chunks, stored redacted (docs/adr/0005).
+"""Live output of running Attempts: bounded chunks, stored redacted (docs/adr/0006).
 
 A Worker sends the output of a started Attempt in chunks numbered 1, 2, 3, …
 (`output.services.output_append`). Each chunk is stored once (a repeat of a

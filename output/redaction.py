@@ -1,4 +1,4 @@
-"""Output is stored redacted of the Task's env values (docs/adr/0005).
+"""Output is stored redacted of the Task's env values (docs/adr/0006).
 
 Every env value of the Attempt's pinned TaskRevision that is at least
 `MIN_REDACTED_CHARS` long is replaced by `REDACTED` before anything is stored:

@@ -1,4 +1,4 @@
-"""Live output: the Worker's append and the operator's reads (docs/adr/0005).
+"""Live output: the Worker's append and the operator's reads (docs/adr/0006).
 
 `output_append` is the use case behind `POST /api/v1/worker/leases/{offer_id}/output`.
 Only the Session holding the lease, with the lease token, may append, and only

@@ -37,3 +37,23 @@ def test_secrets_are_derived_per_subscription_and_nonce_and_from_the_server_key(
     assert one != subscription_secret(subscription_id=1, nonce="b" * 32)
     with override_settings(QINGLONG_WEBHOOK_SECRET="another-server-key"):
         assert one != subscription_secret(subscription_id=1, nonce="a" * 32)
+
+
+def test_the_readme_receiver_snippet_accepts_our_signature_and_refuses_a_forgery():
+    from pathlib import Path
+
+    from django.conf import settings
+
+    readme = (Path(settings.BASE_DIR) / "README.md").read_text()
+    [code] = [
+        block.split("```", 1)[0]
+        for block in readme.split("```python\n")[1:]
+        if "def verified(" in block.split("```", 1)[0]
+    ]
+    scope: dict[str, object] = {}
+    exec(code, scope)  # the documented receiver, as an operator would copy it
+    verified = scope["verified"]
+    header = signature_header(secret="whsec_x", body=BODY)
+    assert verified("whsec_x", header, BODY)
+    assert not verified("whsec_y", header, BODY)
+    assert not verified("whsec_x", header, BODY + b"x")

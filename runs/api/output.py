@@ -1,4 +1,4 @@
-"""Operator API: a Run's live output (README "Live output", docs/adr/0005).
+"""Operator API: a Run's live output (README "Live output", docs/adr/0006).
 
 `GET /api/v1/runs/{id}/output?after=<seq>[&attempt=<number>][&limit=<n>]`:
 the chunks of one Attempt (default: the Run's newest) with a sequence number

@@ -1,4 +1,4 @@
-"""Worker API: live output of a started Attempt (README "Live output", docs/adr/0005).
+"""Worker API: live output of a started Attempt (README "Live output", docs/adr/0006).
 
 `POST /api/v1/worker/leases/{offer_id}/output` with the Session token and the
 lease token, like an ACK. Its own module beside the ACK view: the use case is
