@@ -2,7 +2,7 @@
 
 Parsing and matching are `cronsim`'s (a maintained library; no cron parser of
 our own). This module adds one thing cronsim leaves to Debian cron's quirks:
-what a fire time means when the wall clock jumps (docs/adr/0007).
+what a fire time means when the wall clock jumps (docs/adr/0010).
 
 A Schedule's fire times are the **wall-clock** times in its time zone that
 match the expression, each mapped to exactly one instant:

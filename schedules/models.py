@@ -1,4 +1,4 @@
-"""Schedules and their per-fire ledger (README "Schedules", docs/adr/0007).
+"""Schedules and their per-fire ledger (README "Schedules", docs/adr/0010).
 
 Models hold data and database-level invariants only; `schedules.services`
 writes them. The ledger's unique (schedule, fire_at) row is what makes a fire

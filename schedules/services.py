@@ -1,7 +1,7 @@
 """Use cases of Schedules: define, pause, resume, run now, and the bounded evaluation step.
 
 `schedules_evaluate` is one bounded step, like the dispatch cycle (docs/adr/0001,
-docs/adr/0007): it reads due Schedules in keyset pages over the partial index
+docs/adr/0010): it reads due Schedules in keyset pages over the partial index
 `schedule_attention`, at most `max_pages * page_size` of them and at most
 `max_fires` fires per call, and reports truncation; the loop is outside it
 (`manage.py run_dispatcher` on the embedded default, Celery beat in the
@@ -611,7 +611,7 @@ def _evaluate_into(
     try:
         one = _evaluate_one(schedule_id, now=now, fires_cap=fires_cap)
     except (LostRace, IntegrityError):
-        # Another evaluator recorded this fire first (docs/adr/0007): ours,
+        # Another evaluator recorded this fire first (docs/adr/0010): ours,
         # and the Run it enqueued, rolled back with the transaction.
         result.lost_race += 1
         return

@@ -2,7 +2,7 @@
 
 Beat sends it every second beside the dispatch cycle. Duplicate beats are safe:
 each call is one more bounded step, and every fire is owned by its unique
-ledger row (docs/adr/0007). It takes no arguments and returns only counts.
+ledger row (docs/adr/0010). It takes no arguments and returns only counts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fire times (schedules.cron, docs/adr/0007): DST in two time zones, seconds, bad input."""
+"""Fire times (schedules.cron, docs/adr/0010): DST in two time zones, seconds, bad input."""
 
 from __future__ import annotations
 

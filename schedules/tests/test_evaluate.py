@@ -1,4 +1,4 @@
-"""The evaluation step (schedules.services, docs/adr/0007): fires, catch-up, overlap,
+"""The evaluation step (schedules.services, docs/adr/0010): fires, catch-up, overlap,
 pause, jitter, quotas, bounds, and the ledger's exactly-once row."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Four evaluator processes racing on one PostgreSQL database (docs/adr/0007).
+"""Four evaluator processes racing on one PostgreSQL database (docs/adr/0010).
 
 Duplicate Celery beats, several `run_dispatcher` processes and restarts all
 come down to this: several evaluators calling the bounded step at once. Every
