@@ -25,6 +25,7 @@ from pytest_django.live_server_helper import LiveServer
 def serialized(live_server: LiveServer) -> Iterator[threading.RLock]:
     httpd = live_server.thread.httpd
     app = httpd.get_app()
+    assert app is not None  # the server is running
     lock = threading.RLock()
 
     def one_at_a_time(

@@ -204,7 +204,7 @@ def test_the_runner_hook_needs_a_readable_output_file():
     class NoFile:
         pass
 
-    assert output_watcher(object(), NoFile()) is None  # type: ignore[arg-type]
+    assert output_watcher(object(), NoFile()) is None
 
 
 def test_requests_are_plain_json():
