@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Final
 
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import Q
 
 from leases.end import run_cancel
@@ -71,6 +71,8 @@ HARD_CAPS: Final = {"page_size": 64, "max_pages": 16, "fires_per_schedule": 64, 
 # A Schedule with a buffered fire is looked at again this often until the Run
 # in its way has ended (then the buffered fire is enqueued).
 BUFFER_POLL_S: Final = 5
+# A Schedule whose evaluation raised is looked at again this much later.
+FAILED_RETRY_S: Final = 60
 # Fires counted in one missed or paused stretch before the count says "more".
 MAX_COUNTED_FIRES: Final = 1_000
 # Runs of one Schedule looked at for its overlap policy (skip/buffer/cancel
@@ -400,6 +402,7 @@ class EvaluationResult:
     outcomes: Counter[str] = field(default_factory=Counter)
     busy: int = 0
     lost_race: int = 0
+    failed: int = 0  # a Schedule whose evaluation raised: deferred, logged
     cancelled: int = 0
     truncated: bool = False
     reason: str = ""
@@ -414,6 +417,7 @@ class EvaluationResult:
             "fires": {str(key): value for key, value in sorted(self.outcomes.items())},
             "busy": self.busy,
             "lost_race": self.lost_race,
+            "failed": self.failed,
             "cancelled": self.cancelled,
             "truncated": self.truncated,
             "reason": self.reason,
@@ -614,6 +618,21 @@ def _evaluate_into(
         # Another evaluator recorded this fire first (docs/adr/0010): ours,
         # and the Run it enqueued, rolled back with the transaction.
         result.lost_race += 1
+        return
+    except DatabaseError:
+        raise  # the database itself: the loop outside backs off
+    except Exception:
+        # One Schedule that cannot be evaluated (a bug, a search over its
+        # bound) must not stall the others behind it in the due order: its
+        # transaction rolled back; look at it again later.
+        logger.exception(
+            "schedule evaluation failed",
+            extra={"event": "schedule_evaluation_failed", "schedule_id": schedule_id},
+        )
+        result.failed += 1
+        Schedule.objects.filter(pk=schedule_id, attention_at__lte=now).update(
+            attention_at=now + timedelta(seconds=FAILED_RETRY_S)
+        )
         return
     result.busy += int(one.busy)
     result.outcomes.update(str(outcome) for outcome in one.outcomes)

@@ -115,6 +115,7 @@ def test_the_celery_task_is_one_step_returning_counts_only() -> None:
         "fires",
         "busy",
         "lost_race",
+        "failed",
         "cancelled",
         "truncated",
         "reason",

@@ -445,3 +445,29 @@ def test_a_schedule_of_another_project_is_independent() -> None:
     schedules_evaluate(now=at(minutes=1))
     schedules_evaluate(now=at(minutes=2))
     assert ledger(one) == ledger(two) == [(E, at(minutes=1)), (S, at(minutes=2))]
+
+
+def test_a_schedule_that_cannot_be_evaluated_does_not_stall_the_others(monkeypatch) -> None:
+    import schedules.services as services
+
+    broken, healthy = make_schedule(), make_schedule()
+    real_fire = services._fire
+
+    def fire(schedule, **kwargs):
+        if schedule.pk == broken.pk:
+            raise RuntimeError("a bug")
+        return real_fire(schedule, **kwargs)
+
+    monkeypatch.setattr(services, "_fire", fire)
+    result = schedules_evaluate(now=at(minutes=1))
+    assert (result.failed, result.summary()["fires"]) == (1, {"enqueued": 1})
+    assert ledger(healthy) == [(E, at(minutes=1))] and ledger(broken) == []
+    broken.refresh_from_db()
+    # Its transaction rolled back (no Run, cursor unchanged); it waits a minute.
+    assert broken.next_fire_at == at(minutes=1)
+    assert broken.attention_at == at(minutes=2)
+    assert not Run.objects.filter(schedule=broken).exists()
+    monkeypatch.setattr(services, "_fire", real_fire)
+    schedules_evaluate(now=at(minutes=2))
+    # Fixed: both its fires are accounted for (the second overlaps the first, skip).
+    assert ledger(broken) == [(E, at(minutes=1)), (S, at(minutes=2))]
