@@ -37,6 +37,7 @@ from leases.errors import (
 )
 from leases.locks import lock_lease_chain
 from leases.models import LeaseState, RunLease
+from leases.timeout import attempt_overdue
 from leases.transitions import attempt_transition, lease_extend, lease_transition, run_transition
 from output.redaction import redact, redaction_values
 from qinglong.clock import db_now
@@ -180,6 +181,10 @@ def lease_ack(
                 run_transition(run, RunState.RUNNING)
                 lease_extend(lease, expires_at=now + policy.lease_ttl())
             elif phase is AckPhase.RUNNING:
+                if attempt_overdue(attempt, now=now):
+                    # README "Run policies": past its timeout and the margin,
+                    # the control plane's verdict is stop (the sweep ends it).
+                    raise LeaseConflict("the attempt ran past its timeout", code="timed_out")
                 attempt_transition(
                     attempt,
                     AttemptState.RUNNING,

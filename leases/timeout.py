@@ -8,7 +8,8 @@ the agent's own timeout report first):
 
 - every heartbeat answer of its Session lists its offer in `stop`
   (`timed_out_offer_ids`), and so does the answer of one listing it as held
-  after its lease ended;
+  after its lease ended; a `running` ACK is refused with 409 `timed_out`
+  (any 409 means stop), and once the lease is ended every ACK is a 409;
 - the timeout sweep (`attempts_overdue` + `attempt_time_out`, bounded like
   every sweep) revokes its lease and ends it with reason and error code
   `timed_out`, whether or not any agent is still there: a running Attempt
@@ -37,6 +38,7 @@ from runs.models import Attempt, AttemptState
 
 __all__ = [
     "TIMED_OUT",
+    "attempt_overdue",
     "attempt_time_out",
     "attempts_overdue",
     "timed_out_offer_ids",
@@ -59,6 +61,11 @@ def timeout_margin() -> timedelta:
 def _overdue_before(now: datetime) -> datetime:
     """Deadlines at or before this have passed by the margin at `now`."""
     return now - timeout_margin()
+
+
+def attempt_overdue(attempt: Attempt, *, now: datetime) -> bool:
+    """Is this started Attempt past its deadline by the margin (the stop verdict)?"""
+    return attempt.deadline_at is not None and attempt.deadline_at <= _overdue_before(now)
 
 
 def timed_out_offer_ids(session_pk: int, *, now: datetime) -> list[str]:
@@ -100,11 +107,7 @@ def attempt_time_out(attempt_id: int) -> Outcome:
             attempt = lock_attempt(attempt_id, run_id=run_id)
             assert run is not None and attempt is not None  # never deleted (PROTECT)
             now = db_now()
-            if (
-                attempt.state not in _STARTED
-                or attempt.deadline_at is None
-                or attempt.deadline_at > _overdue_before(now)
-            ):
+            if attempt.state not in _STARTED or not attempt_overdue(attempt, now=now):
                 return Outcome.UNCHANGED
             lease = lock_active_lease(attempt)
             if lease is not None:

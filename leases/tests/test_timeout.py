@@ -255,3 +255,22 @@ def test_the_heartbeat_answer_carries_the_stop_verdict_with_or_without_held() ->
     sweep_timed_out_attempts()
     session.refresh_from_db()
     assert session_heartbeat(session=session, draining=False, held=[offer_id]).stop == [offer_id]
+
+
+@pytest.mark.django_db
+@override_settings(QINGLONG_TIMEOUT_MARGIN_S=0)
+def test_a_running_ack_past_the_deadline_is_told_to_stop() -> None:
+    run = make_run(timeout_s=1)
+    session, offer_id, token, lease = _start(run, running=False)
+    time.sleep(1.05)
+    with pytest.raises(LeaseConflict) as refused:
+        lease_ack(
+            session=session,
+            offer_id=offer_id,
+            phase=AckPhase.RUNNING,
+            lease_token=token,
+            spec_sha256=lease.spec_digest,
+            executor_handle="pid:7",
+        )
+    assert refused.value.code == TIMED_OUT
+    assert Attempt.objects.get(run=run).state == AttemptState.STARTING  # nothing changed
