@@ -27,6 +27,7 @@ from leases.errors import Outcome
 from leases.models import LeaseState, RunLease
 from leases.policy import SWEEP_BATCH, lease_expired_q
 from leases.timeout import attempt_time_out, attempts_overdue
+from output.services import OUTPUT_PRUNE_BATCH, output_prune
 from qinglong.clock import db_now
 from workers.models import SESSION_ENDED_STATES, WorkerSession
 from workers.services import session_mark_offline_if_stale, sessions_stale
@@ -35,6 +36,7 @@ __all__ = [
     "SweepCounts",
     "prune_dispatch_cycles",
     "prune_ended_sessions",
+    "prune_live_output",
     "run_all_sweeps",
     "sweep_expired_leases",
     "sweep_over_delivered_leases",
@@ -237,6 +239,15 @@ def prune_ended_sessions(
     return counts
 
 
+def prune_live_output() -> SweepCounts:
+    """Delete the live output of Attempts ended over QL_OUTPUT_RETENTION_DAYS ago (bounded)."""
+    counts = SweepCounts()
+    pruned = output_prune()
+    counts.examined = counts.applied = pruned
+    counts.truncated = pruned >= OUTPUT_PRUNE_BATCH
+    return counts
+
+
 def run_all_sweeps() -> dict[str, dict[str, int | bool]]:
     """Every sweep once, in dependency order: sessions first (their leases end
     with them), then expiry, then over-delivery, then timeouts, then retention."""
@@ -247,4 +258,5 @@ def run_all_sweeps() -> dict[str, dict[str, int | bool]]:
         "timed_out_attempts": sweep_timed_out_attempts().as_dict(),
         "pruned_cycles": prune_dispatch_cycles().as_dict(),
         "pruned_sessions": prune_ended_sessions().as_dict(),
+        "pruned_output": prune_live_output().as_dict(),
     }

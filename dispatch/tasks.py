@@ -18,6 +18,7 @@ from dispatch.notify import RedisOfferNotifier
 from dispatch.sweeps import (
     prune_dispatch_cycles,
     prune_ended_sessions,
+    prune_live_output,
     sweep_expired_leases,
     sweep_over_delivered_leases,
     sweep_stale_sessions,
@@ -28,6 +29,7 @@ __all__ = [
     "dispatch_cycle_task",
     "prune_dispatch_cycles_task",
     "prune_ended_sessions_task",
+    "prune_live_output_task",
     "sweep_expired_leases_task",
     "sweep_over_delivered_leases_task",
     "sweep_stale_sessions_task",
@@ -87,3 +89,8 @@ def prune_dispatch_cycles_task() -> dict[str, int | bool]:
 @shared_task(name="dispatch.tasks.prune_ended_sessions_task")
 def prune_ended_sessions_task() -> dict[str, int | bool]:
     return prune_ended_sessions().as_dict()
+
+
+@shared_task(name="dispatch.tasks.prune_live_output_task")
+def prune_live_output_task() -> dict[str, int | bool]:
+    return prune_live_output().as_dict()

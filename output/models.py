@@ -5,7 +5,10 @@ A Worker sends the output of a started Attempt in chunks numbered 1, 2, 3, …
 sequence number is a no-op), redacted of the Task's env values. Per Attempt
 at most `QINGLONG_OUTPUT_MAX_BYTES` are kept: the newest chunks (the tail);
 older ones are deleted and `AttemptOutput` says how much was dropped, so every
-reader can show an explicit truncation marker.
+reader can show an explicit truncation marker. The live output of an Attempt
+that ended more than `QINGLONG_OUTPUT_RETENTION_DAYS` ago is deleted by the
+sweeps (`output.services.output_prune`); its terminal ACK's tail stays on the
+Attempt.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ class AttemptOutput(models.Model):
     # Output the Worker reported it skipped (it fell too far behind its process).
     skipped_bytes = models.PositiveBigIntegerField(default=0)
     updated_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # The retention sweep's read: the least recently appended first.
+            models.Index(fields=["updated_at"], name="attemptoutput_updated"),
+        ]
 
     def __str__(self) -> str:
         return f"output of attempt {self.attempt_id}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Final
 
 from django.conf import settings
@@ -39,11 +40,13 @@ from workers.models import WorkerSession
 
 __all__ = [
     "MAX_OUTPUT_PAGE",
+    "OUTPUT_PRUNE_BATCH",
     "OutputAppendResult",
     "OutputPage",
     "OutputTail",
     "output_append",
     "output_page",
+    "output_prune",
     "output_tail",
 ]
 
@@ -55,6 +58,8 @@ _STARTED = (AttemptState.STARTING, AttemptState.RUNNING)
 # Chunks deleted per query while trimming to the bound.
 _TRIM_BATCH: Final = 64
 _UNSTORABLE: Final = re.compile("[\x00\ud800-\udfff]")
+# Attempts whose output one retention call deletes (each at most QL_OUTPUT_MAX_BYTES).
+OUTPUT_PRUNE_BATCH: Final = 50
 
 
 def max_output_bytes() -> int:
@@ -303,6 +308,7 @@ class OutputTail:
     live: bool
     dropped_bytes: int
     skipped_bytes: int
+    from_ack_tail: bool = False  # no live output stored: the terminal ACK's tail
 
 
 def output_tail(
@@ -330,6 +336,12 @@ def output_tail(
         last = max(last, seq)
         texts.append(text)
         total += size
+    if not texts and attempt.state in ATTEMPT_TERMINAL_STATES:
+        # No live output (pruned, or a Worker that sends none): the end of it,
+        # as the terminal ACK reported it (stored redacted too).
+        tail = Attempt.objects.filter(pk=attempt.pk).values_list("output_tail", flat=True).first()
+        if tail:
+            return OutputTail(attempt, tail, 0, False, False, 0, 0, from_ack_tail=True)
     book = AttemptOutput.objects.filter(attempt_id=attempt.pk).first()
     return OutputTail(
         attempt=attempt,
@@ -340,3 +352,30 @@ def output_tail(
         dropped_bytes=0 if book is None else book.dropped_bytes,
         skipped_bytes=0 if book is None else book.skipped_bytes,
     )
+
+
+def output_prune(*, days: int | None = None, limit: int = OUTPUT_PRUNE_BATCH) -> int:
+    """Delete the live output of Attempts that ended and got none for `days`.
+
+    `QINGLONG_OUTPUT_RETENTION_DAYS` by default; at most `limit` Attempts per
+    call, least recently appended first (index `attemptoutput_updated`). An
+    ended Attempt takes no more output (its lease is over), so nothing can be
+    appended to what is being deleted. Its terminal ACK's tail stays on the
+    Attempt. Returns how many Attempts' output was deleted.
+    """
+    keep = int(settings.QINGLONG_OUTPUT_RETENTION_DAYS if days is None else days)
+    cutoff = db_now() - timedelta(days=keep)
+    ids = list(
+        AttemptOutput.objects.filter(
+            updated_at__lt=cutoff, attempt__state__in=ATTEMPT_TERMINAL_STATES
+        )
+        .order_by("updated_at")
+        .values_list("attempt_id", flat=True)[:limit]
+    )
+    if not ids:
+        return 0
+    with transaction.atomic(durable=True):
+        OutputChunk.objects.filter(attempt_id__in=ids).delete()
+        AttemptOutput.objects.filter(attempt_id__in=ids).delete()
+    logger.info("output pruned", extra={"event": "output_pruned", "attempts": len(ids)})
+    return len(ids)

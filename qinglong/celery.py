@@ -103,6 +103,13 @@ app.conf.update(
             "schedule": 60.0,
             "options": {"expires": 30},
         },
+        "prune-live-output": {
+            # The output of Attempts ended over QL_OUTPUT_RETENTION_DAYS ago;
+            # one bounded prune (<= 50 Attempts) every five minutes.
+            "task": "dispatch.tasks.prune_live_output_task",
+            "schedule": 300.0,
+            "options": {"expires": _SWEEP_EXPIRES_S},
+        },
         "prune-ended-sessions": {
             "task": "dispatch.tasks.prune_ended_sessions_task",
             # Session churn is far slower than pulls: one bounded prune

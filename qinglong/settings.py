@@ -261,6 +261,9 @@ QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, mini
 # At most this many bytes of output are kept per Attempt: the newest chunks;
 # older ones are deleted and counted (the truncation marker).
 QINGLONG_OUTPUT_MAX_BYTES = env_int("QL_OUTPUT_MAX_BYTES", 1024 * 1024, minimum=64 * 1024)
+# The live output of an Attempt that ended this long ago is deleted by the
+# sweeps (its terminal ACK's tail stays on the Attempt).
+QINGLONG_OUTPUT_RETENTION_DAYS = env_int("QL_OUTPUT_RETENTION_DAYS", 30, minimum=1)
 # HMAC key the webhook signing secrets are derived from (one per subscription;
 # the database holds only a random nonce). Derived from SECRET_KEY unless set.
 QINGLONG_WEBHOOK_SECRET = env_str(

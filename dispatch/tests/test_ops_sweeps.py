@@ -172,6 +172,7 @@ def test_run_all_sweeps_returns_only_counts():
         "timed_out_attempts",
         "pruned_cycles",
         "pruned_sessions",
+        "pruned_output",
     }
     for counts in result.values():
         assert set(counts) == {"examined", "applied", "unchanged", "lost_race", "truncated"}

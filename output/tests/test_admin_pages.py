@@ -140,3 +140,39 @@ def test_a_finished_run_offers_no_cancel(admin_client, running):
     Run.objects.filter(pk=run.pk).update(state="succeeded")
     page = admin_client.get(reverse("admin:runs_run_change", args=[run.pk])).content.decode()
     assert "ql-cancel-button" not in page
+
+
+def test_old_output_of_ended_attempts_is_pruned_and_the_page_falls_back_to_the_tail(
+    admin_client, running
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from dispatch.sweeps import prune_live_output, run_all_sweeps
+    from output.models import AttemptOutput, OutputChunk
+    from runs.models import Attempt
+
+    run, attempt, append, _ = running
+    append(1, "live line\n")
+    old = timezone.now() - timedelta(days=31)
+    AttemptOutput.objects.update(updated_at=old)
+    # Still running: kept, however old.
+    assert prune_live_output().applied == 0
+    Attempt.objects.filter(pk=attempt.pk).update(state="failed", output_tail="the end\n")
+    assert "pruned_output" in run_all_sweeps()
+    assert not OutputChunk.objects.exists() and not AttemptOutput.objects.exists()
+    body = admin_client.get(reverse("admin:runs_run_change", args=[run.pk])).content.decode()
+    assert "the end\n" in body and "as the Worker reported it" in body
+
+
+def test_recent_output_of_an_ended_attempt_is_kept(running):
+    from dispatch.sweeps import prune_live_output
+    from output.models import OutputChunk
+    from runs.models import Attempt
+
+    _, attempt, append, _ = running
+    append(1, "recent\n")
+    Attempt.objects.filter(pk=attempt.pk).update(state="succeeded")
+    assert prune_live_output().applied == 0
+    assert OutputChunk.objects.count() == 1
