@@ -17,7 +17,7 @@ import enum
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Final
 
@@ -30,17 +30,18 @@ from leases.end import attempt_finish
 from leases.errors import (
     IllegalTransition,
     LeaseConflict,
+    LeaseError,
     LeaseForbidden,
     LeaseNotFound,
     LostRace,
     Outcome,
 )
-from leases.locks import lock_lease_chain
+from leases.locks import LeaseChain, lock_lease_for_ack
 from leases.models import LeaseState, RunLease
 from leases.timeout import attempt_overdue
-from leases.transitions import attempt_transition, lease_extend, lease_transition, run_transition
+from leases.transitions import AttemptReport, lease_transition
+from leases.writes import Writes
 from output.redaction import redact, redaction_values
-from qinglong.clock import db_now
 from qinglong.metrics import LOST_RACES
 from runs.models import Attempt, AttemptState, Run, RunState
 from workers.models import WorkerSession
@@ -122,6 +123,13 @@ def _authorize(lease: RunLease | None, *, session: WorkerSession, lease_token: s
     return lease
 
 
+def _refused(offer_id: str, session: WorkerSession) -> LeaseError:
+    """Why no lease of this Session has that offer id: 404, or 403 for another's."""
+    if RunLease.objects.filter(offer_id=offer_id).exists():
+        return LeaseForbidden("the lease belongs to another session")
+    return LeaseNotFound("no lease with that offer id")
+
+
 def lease_ack(
     *,
     session: WorkerSession,
@@ -134,17 +142,21 @@ def lease_ack(
     error_code: str = "",
     output_tail: str = "",
 ) -> AckResult:
-    """Apply one Worker ACK as a compare-and-set; a repeat of the same phase is a no-op."""
-    # Checked before any lock (a stranger's call touches no row), and again
-    # under the locks below.
-    seen = _authorize(
-        RunLease.objects.filter(offer_id=offer_id).first(), session=session, lease_token=lease_token
-    )
+    """Apply one Worker ACK as a compare-and-set; a repeat of the same phase is a no-op.
+
+    Two statements on PostgreSQL (docs/adr/0011): the lease's rows locked in
+    one (`leases.locks.lock_lease_for_ack`, found by offer id and this
+    Session together, so another Session's request locks nothing), and the
+    phase's writes in one (`leases.writes`). A failed start or run (retry
+    policy) and the end of a cancelled Run go through `leases.end.attempt_finish`.
+    """
     try:
         with transaction.atomic(durable=True):
-            chain = lock_lease_chain(seen.pk, with_session=True)
-            assert chain is not None and chain.session is not None
-            run, attempt, lease = chain.run, chain.attempt, chain.lease
+            chain = lock_lease_for_ack(offer_id=offer_id, session_pk=session.pk)
+            if chain is None:
+                raise _refused(offer_id, session)
+            assert chain.session is not None and chain.now is not None
+            run, attempt, lease, now = chain.run, chain.attempt, chain.lease, chain.now
             _authorize(lease, session=session, lease_token=lease_token)
             if not policy.session_may_act(chain.session, generation=lease.session_generation):
                 # Fenced between authentication and this lock: the replacement
@@ -159,55 +171,20 @@ def lease_ack(
                 return _result(offer_id, attempt, run, Outcome.UNCHANGED)
             if lease.state != LeaseState.ACTIVE:
                 raise LeaseConflict(f"the lease is {lease.state}", code=f"lease_{lease.state}")
-            now = db_now()
             if not policy.lease_is_live(lease, now=now):
                 raise LeaseConflict("the lease has expired", code="lease_expired")
             if attempt.lease_generation != lease.lease_generation:
                 raise LeaseConflict("the lease is stale", code="lease_stale")
-            actor = f"worker:{session.worker_id}"
-            if phase is AckPhase.STARTING:
-                if run.cancel_requested:
-                    raise LeaseConflict("the run was cancelled", code="run_cancelled")
-                attempt_transition(
-                    attempt,
-                    AttemptState.STARTING,
-                    reason="ack_starting",
-                    actor=actor,
-                    started_at=now,
-                    # README "Run policies": past this (and a margin) the
-                    # control plane stops it and ends it `timed_out`.
-                    deadline_at=now + timedelta(seconds=run.task_revision.timeout_s),
-                )
-                run_transition(run, RunState.RUNNING)
-                lease_extend(lease, expires_at=now + policy.lease_ttl())
-            elif phase is AckPhase.RUNNING:
-                if attempt_overdue(attempt, now=now):
-                    # README "Run policies": past its timeout and the margin,
-                    # the control plane's verdict is stop (the sweep ends it).
-                    raise LeaseConflict("the attempt ran past its timeout", code="timed_out")
-                attempt_transition(
-                    attempt,
-                    AttemptState.RUNNING,
-                    reason="ack_running",
-                    actor=actor,
-                    executor_handle=executor_handle[:200],
-                )
-                lease_extend(lease, expires_at=now + policy.lease_ttl())
-            else:
-                lease_transition(lease, LeaseState.RELEASED, reason=f"ack_{phase}", now=now)
-                attempt_finish(
-                    attempt,
-                    run,
-                    target,
-                    reason=f"ack_{phase}",
-                    actor=actor,
-                    now=now,
-                    exit_code=exit_code,
-                    error_code=error_code[:64],
-                    # Stored redacted of the pinned revision's env values, like
-                    # live output (output.redaction; read in by lock_run).
-                    output_tail=redact(output_tail, redaction_values(run.task_revision.env)),
-                )
+            _apply(
+                phase,
+                chain,
+                now=now,
+                actor=f"worker:{session.worker_id}",
+                executor_handle=executor_handle,
+                exit_code=exit_code,
+                error_code=error_code,
+                output_tail=output_tail,
+            )
     except IllegalTransition as err:
         raise LeaseConflict(
             f"{phase} is not allowed after {err.from_state}", code="illegal_phase"
@@ -225,3 +202,71 @@ def lease_ack(
         },
     )
     return _result(offer_id, attempt, run, Outcome.APPLIED)
+
+
+def _apply(
+    phase: AckPhase,
+    chain: LeaseChain,
+    *,
+    now: datetime,
+    actor: str,
+    executor_handle: str,
+    exit_code: int | None,
+    error_code: str,
+    output_tail: str,
+) -> None:
+    """The writes of one accepted phase, under the chain's locks."""
+    run, attempt, lease = chain.run, chain.attempt, chain.lease
+    writes = Writes()
+    if phase is AckPhase.STARTING:
+        if run.cancel_requested:
+            raise LeaseConflict("the run was cancelled", code="run_cancelled")
+        writes.attempt(
+            attempt,
+            AttemptState.STARTING,
+            reason="ack_starting",
+            actor=actor,
+            started_at=now,
+            # README "Run policies": past this (and a margin) the control
+            # plane stops it and ends it `timed_out`.
+            deadline_at=now + timedelta(seconds=run.task_revision.timeout_s),
+        )
+        writes.run(run, RunState.RUNNING)
+        writes.lease_extend(lease, expires_at=now + policy.lease_ttl())
+        writes.apply()
+        return
+    if phase is AckPhase.RUNNING:
+        if attempt_overdue(attempt, now=now):
+            # README "Run policies": past its timeout and the margin, the
+            # control plane's verdict is stop (the sweep ends it).
+            raise LeaseConflict("the attempt ran past its timeout", code="timed_out")
+        writes.attempt(
+            attempt,
+            AttemptState.RUNNING,
+            reason="ack_running",
+            actor=actor,
+            executor_handle=executor_handle[:200],
+        )
+        writes.lease_extend(lease, expires_at=now + policy.lease_ttl())
+        writes.apply()
+        return
+    target = PHASE_TARGET[phase]
+    report: AttemptReport = {
+        "exit_code": exit_code,
+        "error_code": error_code[:64],
+        # Stored redacted of the pinned revision's env values, like live
+        # output (output.redaction; the revision is read in by the lock).
+        "output_tail": redact(output_tail, redaction_values(run.task_revision.env)),
+    }
+    if phase is AckPhase.SUCCEEDED and not run.cancel_requested:
+        # A success ends its Run `succeeded`: no retry policy applies
+        # (leases.end.attempt_finish decides every other ending).
+        writes.lease_end(lease, LeaseState.RELEASED, reason=f"ack_{phase}", now=now)
+        writes.attempt(
+            attempt, target, reason=f"ack_{phase}", actor=actor, finished_at=now, **report
+        )
+        writes.run(run, RunState.SUCCEEDED, finished_at=now)
+        writes.apply()
+        return
+    lease_transition(lease, LeaseState.RELEASED, reason=f"ack_{phase}", now=now)
+    attempt_finish(attempt, run, target, reason=f"ack_{phase}", actor=actor, now=now, **report)

@@ -17,21 +17,29 @@ which has no row locks, each is a plain read and the transaction's
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
 from django.db import connection
+from django.db.models.functions import Now
+from django.utils import timezone
 
 from leases.models import LeaseState, RunLease
-from runs.models import ATTEMPT_ACTIVE_STATES, Attempt, Project, Run, Task
+from runs.models import ATTEMPT_ACTIVE_STATES, Attempt, Project, Run, Task, TaskRevision
 from workers.models import Worker, WorkerSession
 
 __all__ = [
+    "ClaimRows",
     "LeaseChain",
     "lock_active_attempt",
     "lock_active_lease",
     "lock_attempt",
+    "lock_claim_rows",
     "lock_lease",
     "lock_lease_chain",
+    "lock_lease_for_ack",
     "lock_project",
     "lock_run",
     "lock_session",
@@ -131,6 +139,7 @@ class LeaseChain:
     attempt: Attempt
     session: WorkerSession | None  # only when asked for (ACKs re-check the fence)
     lease: RunLease
+    now: datetime | None = None  # the database clock, when the lock statement read it
 
 
 def lock_lease_chain(lease_id: int, *, with_session: bool = False) -> LeaseChain | None:
@@ -146,3 +155,140 @@ def lock_lease_chain(lease_id: int, *, with_session: bool = False) -> LeaseChain
     assert run is not None and attempt is not None and lease is not None
     assert not with_session or session is not None
     return LeaseChain(run=run, attempt=attempt, session=session, lease=lease)
+
+
+# ------------------------------------------------ one statement per use case
+#
+# The two hot paths take their locks in one statement on PostgreSQL (issue
+# #12, docs/adr/0011): a locking SELECT over several tables locks its rows in
+# the order its locking clauses name them (`FOR UPDATE OF r, a … FOR NO KEY
+# UPDATE OF s`), which is the order above; leases/tests/test_lock_scope_postgres.py
+# holds each row in turn from another connection and checks what the
+# statement holds meanwhile.
+
+
+@dataclass(frozen=True)
+class ClaimRows:
+    """What the claim read under its locks (Run, Attempt and, when taken, the Session).
+
+    The instances carry only the columns the claim reads and writes; they are
+    never saved.
+    """
+
+    run: Run
+    attempt: Attempt
+    project_limit: int  # Project.max_concurrent_runs (0 = none)
+    task_limit: int  # the pinned revision's max_concurrent_runs (0 = none)
+    session: WorkerSession | None  # None: not locked yet (a limit) or not found
+    now: datetime  # the database clock once the locks were held
+
+
+def _columns(meta: Any, alias: str, names: tuple[str, ...], prefix: str) -> str:
+    qn = connection.ops.quote_name
+    return ", ".join(
+        f"{alias}.{qn(meta.get_field(name).column)} AS {prefix}{name}" for name in names
+    )
+
+
+_RUN_COLUMNS = ("id", "state", "version", "cancel_requested", "project_id", "task_id")
+_ATTEMPT_COLUMNS = ("id", "run_id", "number", "state", "version", "lease_generation")
+_SESSION_COLUMNS = ("id", "worker_id", "generation", "state", "slots")
+_WORKER_COLUMNS = ("slots", "admin_state")
+
+
+def lock_claim_rows(
+    *, run_id: int, attempt_id: int, session_id: str, skip_locked: bool
+) -> ClaimRows | None:
+    """1, 2 and 4 of the order for a claim: Run → Attempt → WorkerSession, one statement.
+
+    The Session is locked in the same statement only when neither the
+    Project nor the pinned revision has a concurrency limit: otherwise
+    Project and Task come first (`leases.quota.quota_blocker(lock=True)`)
+    and the caller locks the Session after them with `lock_session`. None
+    when the Run or Attempt does not exist (or, with `skip_locked`, another
+    transaction holds one of them). No state is checked here: the rows come
+    back as they are once locked, and the claim decides.
+    """
+    qn = connection.ops.quote_name
+    postgres = connection.vendor == "postgresql"
+    run_lock = "FOR UPDATE OF r, a" + (" SKIP LOCKED" if _skip(skip_locked) else "")
+    session_lock = "FOR NO KEY UPDATE OF s"
+    no_limits = "(SELECT ra.p_limit = 0 AND ra.t_limit = 0 FROM ra)"
+    sql = f"""
+        WITH ra AS (
+            SELECT {_columns(Run._meta, "r", _RUN_COLUMNS, "r_")},
+                   {_columns(Attempt._meta, "a", _ATTEMPT_COLUMNS, "a_")},
+                   p.{qn("max_concurrent_runs")} AS p_limit,
+                   v.{qn("max_concurrent_runs")} AS t_limit
+            FROM {qn(Run._meta.db_table)} r
+            JOIN {qn(Attempt._meta.db_table)} a ON a.{qn("run_id")} = r.{qn("id")}
+            JOIN {qn(Project._meta.db_table)} p ON p.{qn("id")} = r.{qn("project_id")}
+            JOIN {qn(TaskRevision._meta.db_table)} v ON v.{qn("id")} = r.{qn("task_revision_id")}
+            WHERE r.{qn("id")} = %s AND a.{qn("id")} = %s
+            {run_lock if postgres else ""}
+        ), sw AS (
+            SELECT {_columns(WorkerSession._meta, "s", _SESSION_COLUMNS, "s_")},
+                   {_columns(Worker._meta, "w", _WORKER_COLUMNS, "w_")}
+            FROM {qn(WorkerSession._meta.db_table)} s
+            JOIN {qn(Worker._meta.db_table)} w ON w.{qn("id")} = s.{qn("worker_id")}
+            WHERE s.{qn("session_id")} = %s AND {no_limits}
+            {session_lock if postgres else ""}
+        )
+        SELECT ra.*, sw.*{", clock_timestamp() AS now" if postgres else ""}
+        FROM ra LEFT JOIN sw ON 1 = 1
+    """  # noqa: S608  (names from model metadata; values are parameters)
+    # The Session's CTE reads `ra` in its WHERE: PostgreSQL must have locked
+    # Run and Attempt before it can even look at the Session row.
+    session_key = WorkerSession._meta.get_field("session_id").get_db_prep_value(
+        uuid.UUID(session_id), connection
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [run_id, attempt_id, session_key])
+        names = [column[0] for column in cursor.description]
+        values = cursor.fetchone()
+    if values is None:
+        return None
+    row = dict(zip(names, values, strict=True))
+    run = Run(**{name: row[f"r_{name}"] for name in _RUN_COLUMNS})
+    run.cancel_requested = bool(run.cancel_requested)
+    attempt = Attempt(**{name: row[f"a_{name}"] for name in _ATTEMPT_COLUMNS})
+    session = None
+    if row["s_id"] is not None:
+        worker = Worker(pk=row["s_worker_id"], **{n: row[f"w_{n}"] for n in _WORKER_COLUMNS})
+        session = WorkerSession(**{name: row[f"s_{name}"] for name in _SESSION_COLUMNS})
+        session.worker = worker
+    now = row["now"] if postgres else timezone.now()
+    return ClaimRows(
+        run=run,
+        attempt=attempt,
+        project_limit=int(row["p_limit"]),
+        task_limit=int(row["t_limit"]),
+        session=session,
+        now=now,
+    )
+
+
+def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
+    """Run → Attempt → WorkerSession → RunLease of one of this Session's leases, one statement.
+
+    Found by offer id and owning Session together, so a request naming
+    another Session's lease locks nothing. Every row is locked `FOR NO KEY
+    UPDATE` (an ACK changes no key): it excludes every other writer of these
+    rows as `FOR UPDATE` would, but leaves the foreign-key checks of inserts
+    that point at them (history rows, output chunks) alone. The Run comes
+    with its pinned revision (retry policy, output redaction), not locked.
+    `now` (`LeaseChain.now`) is the database clock of this statement.
+    """
+    lease = (
+        RunLease.objects.select_related("run__task_revision", "attempt", "session")
+        .select_for_update(no_key=True, of=("run", "attempt", "session", "self"))
+        .filter(offer_id=offer_id, session_id=session_pk)
+        .annotate(db_now=Now())
+        .first()
+    )
+    if lease is None:
+        return None
+    now = lease.db_now if connection.vendor == "postgresql" else timezone.now()
+    return LeaseChain(
+        run=lease.run, attempt=lease.attempt, session=lease.session, lease=lease, now=now
+    )

@@ -94,7 +94,8 @@ def test_starting_ack_committing_as_the_lease_expires_wins_and_the_sweeper_backs
     # The ACK passes its expiry check, then holds its locks past expires_at.
     expire_in(lease, HOLD_S / 2)
     entered = threading.Event()
-    hold_inside(monkeypatch, ack_use_case, "lease_extend", thread="ack", entered=entered)
+    # `_apply` runs once every check passed, under the ACK's locks, before its writes.
+    hold_inside(monkeypatch, ack_use_case, "_apply", thread="ack", entered=entered)
     results: dict[str, Any] = {}
     ack = in_thread("ack", lambda: ack_phase(session, lease, token, AckPhase.STARTING), results)
     assert entered.wait(10)
@@ -139,8 +140,8 @@ def test_completion_committing_while_the_sweeper_waits_is_never_overwritten(monk
     lease.refresh_from_db()
     expire_in(lease, HOLD_S / 2)
     entered = threading.Event()
-    # Hold the succeeded ACK after it released the lease, before it commits.
-    hold_inside(monkeypatch, ack_use_case, "attempt_finish", thread="ack", entered=entered)
+    # Hold the succeeded ACK under its locks, its checks passed, before it writes and commits.
+    hold_inside(monkeypatch, ack_use_case, "_apply", thread="ack", entered=entered)
     results: dict[str, Any] = {}
     ack = in_thread("ack", lambda: ack_phase(session, lease, token, AckPhase.SUCCEEDED), results)
     assert entered.wait(10)

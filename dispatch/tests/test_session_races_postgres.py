@@ -48,18 +48,18 @@ def _thread(target: Callable[[], Any], name: str, out: dict[str, Any]) -> thread
     return thread
 
 
-def _pause_in(module: Any, thread_name: str, monkeypatch: pytest.MonkeyPatch):
-    """Make `module.db_now` block in the named thread until released (it holds its locks)."""
+def _pause_in(module: Any, thread_name: str, monkeypatch: pytest.MonkeyPatch, func: str = "db_now"):
+    """Make `module.<func>` block in the named thread until released (it holds its locks)."""
     paused, go = threading.Event(), threading.Event()
-    real_now = module.db_now
+    real = getattr(module, func)
 
-    def slow_now():
+    def slow(*args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name == thread_name and not go.is_set():
             paused.set()
             go.wait(10)
-        return real_now()
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, "db_now", slow_now)
+    monkeypatch.setattr(module, func, slow)
     return paused, go
 
 
@@ -69,7 +69,8 @@ def test_a_claim_holding_the_session_lock_commits_first_and_rotation_then_ends_i
     attempt = testing.pending_attempt(testing.make_run())
     session = testing.open_session().session
     request, _ = testing.claim_request(attempt, session)
-    paused, go = _pause_in(ds, "claimer", monkeypatch)
+    # lease_grant runs under the claim's locks, just before its writes.
+    paused, go = _pause_in(ds, "claimer", monkeypatch, func="lease_grant")
     out: dict[str, Any] = {}
     claimer = _thread(lambda: ds.lease_claim(request).status, "claimer", out)
     assert paused.wait(10)  # the claim holds Run, Attempt and the Session row

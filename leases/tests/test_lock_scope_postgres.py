@@ -10,6 +10,7 @@ import threading
 import time
 from datetime import timedelta
 
+import psycopg
 import pytest
 from django.conf import settings
 from django.db import connection, transaction
@@ -20,9 +21,10 @@ from leases import end
 from leases.ack import AckPhase, lease_ack
 from leases.end import run_cancel
 from leases.errors import Outcome
+from leases.locks import lock_claim_rows, lock_lease_for_ack
 from leases.models import LeaseState, RunLease
 from qinglong import testing
-from runs.models import Run, RunState
+from runs.models import Project, Run, RunState
 from runs.services import run_enqueue
 from workers.models import WorkerSession
 from workers.services import session_heartbeat, session_open
@@ -48,16 +50,16 @@ def test_claim_and_session_open_of_the_same_worker_do_not_deadlock(monkeypatch):
     worker = session.worker
     request, _ = testing.claim_request(attempt, session)
     paused, go = threading.Event(), threading.Event()
-    real_now = ds.db_now
+    real_grant = ds.lease_grant
 
-    def slow_now():
+    def slow_grant(*args, **kwargs):
         # The claim holds its Session lock here, just before the lease insert.
         if threading.current_thread().name == "claimer":
             paused.set()
             go.wait(10)
-        return real_now()
+        return real_grant(*args, **kwargs)
 
-    monkeypatch.setattr(ds, "db_now", slow_now)
+    monkeypatch.setattr(ds, "lease_grant", slow_grant)
     results: dict[str, object] = {}
 
     def claimer() -> None:
@@ -208,3 +210,131 @@ def test_heartbeat_waiting_behind_a_revoke_never_renews_the_ended_lease():
     assert out["renewed"] == 0
     assert out["recorded"] is True  # the heartbeat itself was recorded; only the lease was not
     assert (after.state, after.expires_at) == (LeaseState.REVOKED, lease.expires_at)
+
+
+# -------------------------------------------- one-statement locks (issue #12)
+
+
+def _conninfo() -> str:
+    db = connection.settings_dict
+    host = db["HOST"] or "127.0.0.1"
+    password = f" password={db['PASSWORD']}" if db.get("PASSWORD") else ""
+    return f"host={host} port={db['PORT'] or 5432} dbname={db['NAME']} user={db['USER']}{password}"
+
+
+def _held_by_someone(table: str, pk: int) -> bool:
+    """Is the row locked by another transaction right now? (A NOWAIT probe.)"""
+    with psycopg.connect(_conninfo(), autocommit=False) as probe:
+        try:
+            probe.execute(f'SELECT 1 FROM "{table}" WHERE id = %s FOR UPDATE NOWAIT', [pk])
+        except psycopg.errors.LockNotAvailable:
+            return True
+        probe.rollback()
+        return False
+
+
+def _locks_in_order(rows: list[tuple[str, int]], statement) -> list[dict[str, bool]]:
+    """For each row in turn: hold it elsewhere, start `statement`, and report
+    which of the other rows it holds while it waits for that one."""
+    seen = []
+    for blocked_table, blocked_pk in rows:
+        blocker = psycopg.connect(_conninfo(), autocommit=False)
+        blocker.execute(f'SELECT 1 FROM "{blocked_table}" WHERE id = %s FOR UPDATE', [blocked_pk])
+        done = threading.Event()
+
+        def run(done: threading.Event = done) -> None:
+            try:
+                with transaction.atomic():
+                    statement()
+            finally:
+                connection.close()
+                done.set()
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        time.sleep(0.5)  # the statement now waits on the blocked row
+        assert not done.is_set(), f"the statement did not wait for {blocked_table}"
+        seen.append(
+            {table: _held_by_someone(table, pk) for table, pk in rows if table != blocked_table}
+        )
+        blocker.rollback()
+        blocker.close()
+        worker.join(10)
+    return seen
+
+
+def test_the_claim_locks_run_attempt_then_session_in_one_statement() -> None:
+    session = testing.open_session().session
+    attempt = testing.pending_attempt(testing.make_run())
+    rows = [
+        ("runs_run", attempt.run_id),
+        ("runs_attempt", attempt.pk),
+        ("workers_workersession", session.pk),
+    ]
+    seen = _locks_in_order(
+        rows,
+        lambda: lock_claim_rows(
+            run_id=attempt.run_id,
+            attempt_id=attempt.pk,
+            session_id=str(session.session_id),
+            skip_locked=False,
+        ),
+    )
+    assert seen == [
+        {"runs_attempt": False, "workers_workersession": False},  # waiting for the Run
+        {"runs_run": True, "workers_workersession": False},  # Run held, waiting for the Attempt
+        {"runs_run": True, "runs_attempt": True},  # both held, waiting for the Session
+    ]
+
+
+def test_with_a_project_quota_the_claim_locks_the_session_only_after_the_project() -> None:
+    project = testing.make_project()
+    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=5)
+    session = testing.open_session().session
+    attempt = testing.pending_attempt(testing.make_run(testing.make_task(project)))
+    request, _ = testing.claim_request(attempt, session)
+    blocker = psycopg.connect(_conninfo(), autocommit=False)
+    blocker.execute('SELECT 1 FROM "runs_project" WHERE id = %s FOR UPDATE', [project.pk])
+    out: dict[str, object] = {}
+    claimer = _thread(lambda: out.update(status=ds.lease_claim(request).status), "claimer")
+    time.sleep(0.5)  # waiting for the Project: Run and Attempt held, the Session not yet
+    assert _held_by_someone("runs_run", attempt.run_id)
+    assert _held_by_someone("runs_attempt", attempt.pk)
+    assert not _held_by_someone("workers_workersession", session.pk)
+    blocker.rollback()
+    blocker.close()
+    claimer.join(10)
+    assert out["status"] is ClaimStatus.WON
+
+
+def test_an_ack_locks_run_attempt_session_then_lease_in_one_statement() -> None:
+    session = testing.open_session().session
+    attempt = testing.pending_attempt(testing.make_run())
+    _, offer_id, _ = testing.claim(attempt, session)
+    lease = RunLease.objects.get(offer_id=offer_id)
+    rows = [
+        ("runs_run", attempt.run_id),
+        ("runs_attempt", attempt.pk),
+        ("workers_workersession", session.pk),
+        ("dispatch_runlease", lease.pk),
+    ]
+    seen = _locks_in_order(
+        rows, lambda: lock_lease_for_ack(offer_id=offer_id, session_pk=session.pk)
+    )
+    assert seen == [
+        {"runs_attempt": False, "workers_workersession": False, "dispatch_runlease": False},
+        {"runs_run": True, "workers_workersession": False, "dispatch_runlease": False},
+        {"runs_run": True, "runs_attempt": True, "dispatch_runlease": False},
+        {"runs_run": True, "runs_attempt": True, "workers_workersession": True},
+    ]
+
+
+def test_an_ack_naming_another_sessions_lease_locks_nothing() -> None:
+    owner = testing.open_session().session
+    stranger = testing.open_session().session
+    attempt = testing.pending_attempt(testing.make_run())
+    _, offer_id, _ = testing.claim(attempt, owner)
+    with transaction.atomic():
+        assert lock_lease_for_ack(offer_id=offer_id, session_pk=stranger.pk) is None
+        assert not _held_by_someone("runs_run", attempt.run_id)
+        assert not _held_by_someone("runs_attempt", attempt.pk)

@@ -1,0 +1,111 @@
+"""SQL statements per claimed Run on PostgreSQL (issue #12): counted, never timed.
+
+The goal is at most 5 statements per claimed Run in a global cycle that
+claims its budget (every read of the cycle included: kill switch, clock,
+recovery, candidates, Workers, plans, the DispatchCycle row); a claim
+without quotas is 2 statements and an ACK 2 (a success 3: the webhook
+subscriptions of a Run that ended), each plus its transaction's BEGIN and
+COMMIT, which are counted like every other round trip. Measured the way
+bench/e2e_bench.py does, outside any test transaction (`transaction=True`),
+so no savepoint is counted.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
+from dispatch.cycles import cycle_recorder, dispatch_budget, dispatch_cycle
+from leases.ack import AckPhase, lease_ack
+from leases.claim import lease_claim
+from qinglong import testing
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+MAX_STATEMENTS_PER_CLAIMED_RUN = 5
+
+
+def _statements(queries: CaptureQueriesContext) -> list[str]:
+    return [q["sql"] for q in queries.captured_queries]
+
+
+def test_a_global_cycle_that_claims_its_budget_costs_at_most_five_statements_per_run() -> None:
+    budget = dispatch_budget().max_claim_attempts
+    worker, _ = testing.make_worker(slots=budget)
+    testing.open_session(worker)
+    task = testing.make_task()
+    for _ in range(budget * 3):
+        testing.make_run(task)
+    dispatch_cycle(scope=DispatchScope.global_())  # warm-up: first row of the outcome
+    testing.open_session(worker)  # a fresh Session of the Worker: every slot free again
+    with CaptureQueriesContext(connection) as queries:
+        result = dispatch_cycle(scope=DispatchScope.global_())
+    won = result.counts.claims_won
+    assert won == budget
+    statements = _statements(queries)
+    print(f"\nglobal cycle: {len(statements)} statements for {won} claims")
+    assert len(statements) / won <= MAX_STATEMENTS_PER_CLAIMED_RUN, "\n".join(statements)
+
+
+def test_a_claim_is_two_statements_and_each_ack_two_or_three() -> None:
+    session = testing.open_session().session
+    attempt = testing.pending_attempt(testing.make_run())
+    request, token = testing.claim_request(attempt, session)
+    with CaptureQueriesContext(connection) as claim:
+        outcome = lease_claim(request)
+    assert outcome.status == "won"
+    # Its transaction's BEGIN and COMMIT are round trips too, and counted.
+    statements = _statements(claim)
+    assert (statements[0], statements[-1], len(statements)) == ("BEGIN", "COMMIT", 4), statements
+
+    counts = {}
+    for phase in (AckPhase.STARTING, AckPhase.RUNNING, AckPhase.SUCCEEDED):
+        with CaptureQueriesContext(connection) as ack:
+            lease_ack(
+                session=session,
+                offer_id=request.offer_id,
+                phase=phase,
+                lease_token=token,
+                spec_sha256=request.spec_sha256,
+                executor_handle="pid:1",
+                exit_code=0,
+            )
+        counts[phase] = len(ack.captured_queries)
+    # BEGIN, the locks, the writes, COMMIT; a success also reads the Project's
+    # webhook subscriptions (notifications).
+    assert counts == {AckPhase.STARTING: 4, AckPhase.RUNNING: 4, AckPhase.SUCCEEDED: 5}
+
+
+def test_a_pull_that_claims_one_run_stays_within_a_dozen_statements() -> None:
+    session = testing.open_session().session
+    testing.make_run()
+    testing.make_run()
+    ref = SessionRef(str(session.worker_id), str(session.session_id), session.generation)
+    scope = DispatchScope.for_session(ref)
+
+    def pull() -> PullCredential:
+        return PullCredential(pull_id=str(uuid.uuid4()), token=secrets.token_urlsafe(32))
+
+    first = pull()
+    (offer,) = dispatch_cycle(scope=scope, pull=first, max_offers=1, session_pk=session.pk).offers
+    lease_ack(
+        session=session,
+        offer_id=offer.offer_id,
+        phase=AckPhase.STARTING,
+        lease_token=first.token,
+        spec_sha256=offer.spec_sha256,
+    )  # started: no longer re-delivered, so the next pull claims
+    cycle_recorder.reset()
+    with CaptureQueriesContext(connection) as queries:
+        result = dispatch_cycle(scope=scope, pull=pull(), max_offers=1, session_pk=session.pk)
+    assert result.counts.claims_won == 1
+    # Kill switch and clock, over-delivered leases, recovery, candidates, the
+    # Session, the plan, the claim (BEGIN, 2, COMMIT), delivery telemetry, the
+    # cycle row (a new outcome here).
+    print(f"\npull claiming 1: {len(queries.captured_queries)} statements")
+    assert len(queries.captured_queries) <= 12, _statements(queries)

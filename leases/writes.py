@@ -1,0 +1,354 @@
+"""The writes of one use case as one statement (issue #12; docs/adr/0011).
+
+A claim or an ACK changes up to four rows: the Attempt (a compare-and-set),
+its history row, the Run (a compare-and-set) and the lease (a compare-and-set,
+or a new row). `Writes` collects them, checks each against the transition
+tables of `leases.transitions` before anything is written (`IllegalTransition`),
+and applies them:
+
+- on PostgreSQL as **one** data-modifying statement (`WITH a AS (UPDATE …
+  RETURNING 1), e AS (INSERT …), … SELECT count(*) …`): one round trip
+  instead of four. Every compare-and-set keeps its own `WHERE id = ? AND
+  version = ? AND state = ?`; the statement reports how many rows each
+  touched, and any count but one raises `LostRace`, which rolls the caller's
+  transaction back, exactly like the one-at-a-time functions of
+  `leases.transitions`;
+- elsewhere (SQLite has no data-modifying `WITH`) the same statements run one
+  after another, each checked the same way. SQLite serializes writers
+  (`BEGIN IMMEDIATE`), so nothing can come between them.
+
+An optional `Guard` is a one-row `SELECT` of checks that must be read after
+the caller's locks (the claim's slot count and pull-id check): on PostgreSQL
+it is the statement's first part and every write is conditioned on its
+`ok`, so a failed check writes nothing; elsewhere it runs first, as its own
+statement. Either way the caller gets the guard's row back.
+
+The callers hold the row locks (`leases.locks`) before calling `apply`, so
+the order of the writes inside the statement takes no lock out of the one
+lock order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final, Unpack
+
+from django.db import connection
+from django.db.models import Model
+
+from leases.errors import IllegalTransition, LostRace
+from leases.models import LeaseState, RunLease
+from leases.transitions import (
+    ATTEMPT_TRANSITIONS,
+    LEASE_TRANSITIONS,
+    RUN_TRANSITIONS,
+    AttemptChanges,
+    RunChanges,
+)
+from notifications.services import run_event_emit
+from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
+
+__all__ = ["Guard", "Writes"]
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Checks read after the locks: `SELECT <columns>` with `ok` computed from them.
+
+    `columns` maps an output name to an SQL expression (its parameters in
+    `params`, in the order the columns are given); `ok` is an SQL boolean
+    expression over those names.
+    """
+
+    columns: Mapping[str, str]
+    params: Sequence[Any]
+    ok: str
+    ok_params: Sequence[Any] = ()
+
+    def select(self) -> tuple[str, list[Any]]:
+        inner = ", ".join(f"{expr} AS {name}" for name, expr in self.columns.items())
+        return (
+            f"SELECT g.*, ({self.ok}) AS ok FROM (SELECT {inner}) AS g",  # noqa: S608  (names from model metadata; values are parameters)
+            # `ok` comes first in the text, so its parameters do too.
+            [*self.ok_params, *self.params],
+        )
+
+
+@dataclass
+class _Step:
+    sql: str  # an UPDATE … WHERE … or INSERT INTO … (cols) SELECT …, without RETURNING
+    params: list[Any]
+    returns_id: bool = False
+    guarded_where: bool = True  # UPDATE: AND (guard) appended to WHERE; INSERT: WHERE (guard)
+    on_applied: list[Any] = field(default_factory=list)  # callbacks(new_id) after success
+
+
+_ATTEMPT: Final = Attempt._meta
+_RUN: Final = Run._meta
+_LEASE: Final = RunLease._meta
+_EVENT: Final = AttemptEvent._meta
+
+
+def _q(name: str) -> str:
+    return connection.ops.quote_name(name)
+
+
+def _value(meta: Any, name: str, value: object) -> tuple[str, object]:
+    model_field = meta.get_field(name)
+    return model_field.column, model_field.get_db_prep_save(value, connection)
+
+
+def _insert_step(obj: Model) -> _Step:
+    """An INSERT of every concrete column of an unsaved instance, as the ORM would."""
+    meta = obj._meta
+    columns: list[str] = []
+    params: list[Any] = []
+    for model_field in meta.concrete_fields:
+        if model_field.primary_key:
+            continue
+        # pre_save applies auto_now_add and the like, exactly as Model.save() does.
+        value = model_field.pre_save(obj, add=True)
+        columns.append(_q(model_field.column))
+        params.append(model_field.get_db_prep_save(value, connection))
+    placeholders = ", ".join(["%s"] * len(params))
+    sql = f"INSERT INTO {_q(meta.db_table)} ({', '.join(columns)}) SELECT {placeholders}"
+    return _Step(sql=sql, params=params)
+
+
+def _cas_step(
+    meta: Any, *, pk: int, version: int, state: str, to_state: str, changes: Mapping[str, object]
+) -> _Step:
+    sets = [f"{_q('state')} = %s", f"{_q('version')} = %s"]
+    params: list[Any] = [to_state, version + 1]
+    for name, value in changes.items():
+        column, prepared = _value(meta, name, value)
+        sets.append(f"{_q(column)} = %s")
+        params.append(prepared)
+    sql = (
+        f"UPDATE {_q(meta.db_table)} SET {', '.join(sets)} "  # noqa: S608  (names from model metadata; values are parameters)
+        f"WHERE {_q('id')} = %s AND {_q('version')} = %s AND {_q('state')} = %s"
+    )
+    return _Step(sql=sql, params=[*params, pk, version, state])
+
+
+def _legal(
+    entity: str, table: Mapping[Any, frozenset[Any]], from_state: str, to_state: str
+) -> None:
+    if to_state not in table.get(from_state, frozenset()):
+        raise IllegalTransition(entity, from_state, to_state)
+
+
+class Writes:
+    """The writes of one use case, applied together (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._steps: list[_Step] = []
+        self._after: list[Any] = []
+
+    # -- what to write ---------------------------------------------------------
+
+    def attempt(
+        self,
+        attempt: Attempt,
+        to_state: AttemptState,
+        *,
+        reason: str,
+        actor: str,
+        **changes: Unpack[AttemptChanges],
+    ) -> None:
+        """`leases.transitions.attempt_transition` (its history row included,
+        stamped like every history row: `AttemptEvent.at`, auto_now_add)."""
+        from_state = str(attempt.state)
+        _legal("attempt", ATTEMPT_TRANSITIONS, from_state, to_state)
+        self._steps.append(
+            _cas_step(
+                _ATTEMPT,
+                pk=attempt.pk,
+                version=attempt.version,
+                state=from_state,
+                to_state=str(to_state),
+                changes=dict(changes),
+            )
+        )
+        event = AttemptEvent(
+            attempt_id=attempt.pk,
+            run_id=attempt.run_id,
+            from_state=from_state,
+            to_state=str(to_state),
+            reason=reason,
+            actor=actor[:80],
+        )
+        step = _insert_step(event)
+        self._steps.append(step)
+
+        def done() -> None:
+            attempt.state = to_state
+            attempt.version += 1
+            for key, value in changes.items():
+                setattr(attempt, key, value)
+
+        self._after.append(done)
+
+    def run(self, run: Run, to_state: RunState, **changes: Unpack[RunChanges]) -> None:
+        """`leases.transitions.run_transition`."""
+        from_state = str(run.state)
+        _legal("run", RUN_TRANSITIONS, from_state, to_state)
+        self._steps.append(
+            _cas_step(
+                _RUN,
+                pk=run.pk,
+                version=run.version,
+                state=from_state,
+                to_state=str(to_state),
+                changes=dict(changes),
+            )
+        )
+
+        def done() -> None:
+            run.state = to_state
+            run.version += 1
+            for key, value in changes.items():
+                setattr(run, key, value)
+            # Webhooks, as run_transition does: a Run that just ended gets its
+            # outbox rows in this transaction (nothing for other states).
+            run_event_emit(run=run)
+
+        self._after.append(done)
+
+    def lease_end(
+        self, lease: RunLease, to_state: LeaseState, *, reason: str, now: datetime
+    ) -> None:
+        """`leases.transitions.lease_transition`."""
+        _legal("lease", LEASE_TRANSITIONS, str(lease.state), to_state)
+        changes = {"ended_at": now, "end_reason": reason}
+        self._steps.append(
+            _cas_step(
+                _LEASE,
+                pk=lease.pk,
+                version=lease.version,
+                state=LeaseState.ACTIVE,
+                to_state=str(to_state),
+                changes=changes,
+            )
+        )
+
+        def done() -> None:
+            lease.state = to_state
+            lease.version += 1
+            lease.ended_at = now
+            lease.end_reason = reason
+
+        self._after.append(done)
+
+    def lease_extend(self, lease: RunLease, *, expires_at: datetime) -> None:
+        """`leases.transitions.lease_extend`: an active lease's new expiry."""
+        self._steps.append(
+            _cas_step(
+                _LEASE,
+                pk=lease.pk,
+                version=lease.version,
+                state=LeaseState.ACTIVE,
+                to_state=LeaseState.ACTIVE,
+                changes={"expires_at": expires_at},
+            )
+        )
+
+        def done() -> None:
+            lease.expires_at = expires_at
+            lease.version += 1
+
+        self._after.append(done)
+
+    def lease_create(self, lease: RunLease) -> None:
+        """A new lease row (the claim); `lease.pk` is set once applied."""
+        step = _insert_step(lease)
+        step.returns_id = True
+        step.on_applied.append(lambda new_id: setattr(lease, "pk", new_id))
+        self._steps.append(step)
+
+    # -- applying --------------------------------------------------------------
+
+    def apply(self, *, guard: Guard | None = None) -> dict[str, Any] | None:
+        """Write everything, or nothing when the guard's `ok` is false.
+
+        Returns the guard's row (None without a guard). Must run inside the
+        caller's transaction, after its locks.
+        """
+        if connection.vendor == "postgresql":
+            row = self._apply_in_one_statement(guard)
+        else:
+            row = self._apply_one_by_one(guard)
+        if row is None or row["ok"]:
+            for done in self._after:
+                done()
+        return row
+
+    def _apply_in_one_statement(self, guard: Guard | None) -> dict[str, Any] | None:
+        ctes: list[str] = []
+        params: list[Any] = []
+        condition = ""
+        if guard is not None:
+            guard_sql, guard_params = guard.select()
+            ctes.append(f"guard AS ({guard_sql})")
+            params.extend(guard_params)
+            condition = "(SELECT ok FROM guard)"
+        for index, step in enumerate(self._steps):
+            sql = step.sql
+            if condition:
+                sql += f" AND {condition}" if sql.startswith("UPDATE") else f" WHERE {condition}"
+            returning = _q("id") if step.returns_id else "1"
+            ctes.append(f"w{index} AS ({sql} RETURNING {returning})")
+            params.extend(step.params)
+        counts = ", ".join(
+            f"(SELECT {'max(' + _q('id') + ')' if step.returns_id else 'count(*)'} FROM w{index})"  # noqa: S608  (names from model metadata; values are parameters)
+            f" AS _w{index}"
+            for index, step in enumerate(self._steps)
+        )
+        tail = f"SELECT guard.*, {counts} FROM guard" if guard else f"SELECT {counts}"  # noqa: S608  (names from model metadata; values are parameters)
+        with connection.cursor() as cursor:
+            cursor.execute(f"WITH {', '.join(ctes)} {tail}", params)
+            names = [column.name for column in cursor.description]
+            values = cursor.fetchone()
+        assert values is not None
+        row = dict(zip(names, values, strict=True))
+        if guard is not None and not row["ok"]:
+            return row
+        for index, step in enumerate(self._steps):
+            touched = row[f"_w{index}"]
+            if step.returns_id:
+                if touched is None:
+                    raise LostRace("a row was not written")
+                for callback in step.on_applied:
+                    callback(touched)
+            elif touched != 1:
+                raise LostRace("a row changed under us")
+        return (
+            {key: value for key, value in row.items() if not key.startswith("w")} if guard else None
+        )
+
+    def _apply_one_by_one(self, guard: Guard | None) -> dict[str, Any] | None:
+        with connection.cursor() as cursor:
+            row: dict[str, Any] | None = None
+            if guard is not None:
+                guard_sql, guard_params = guard.select()
+                cursor.execute(guard_sql, guard_params)
+                names = [column[0] for column in cursor.description]
+                values = cursor.fetchone()
+                assert values is not None
+                row = dict(zip(names, values, strict=True))
+                row["ok"] = bool(row["ok"])
+                if not row["ok"]:
+                    return row
+            for step in self._steps:
+                cursor.execute(step.sql, step.params)
+                if step.returns_id:
+                    new_id = connection.ops.last_insert_id(
+                        cursor, step.sql.split()[2].strip('"'), "id"
+                    )
+                    for callback in step.on_applied:
+                        callback(new_id)
+                elif cursor.rowcount != 1:
+                    raise LostRace("a row changed under us")
+        return row
