@@ -28,7 +28,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Protocol
 
 from django.conf import settings
@@ -92,6 +92,36 @@ def dispatch_paused() -> bool:
     """The operator kill switch (DispatchControl pk=1; no row = running)."""
     paused = DispatchControl.objects.filter(pk=_CONTROL_PK).values_list("paused", flat=True).first()
     return bool(paused)
+
+
+class _ReadClock:
+    """The `Clock` port over a time already read from the database."""
+
+    def __init__(self, now: datetime) -> None:
+        self._now = now
+
+    def now(self) -> datetime:
+        return self._now
+
+
+def _paused_and_clock() -> tuple[bool, datetime | None]:
+    """The kill switch and the database clock in one statement on PostgreSQL.
+
+    The clock is the cycle's `observed_at` (docs/adr/0001 step 1); elsewhere
+    it is left to the cycle's own clock port (the process clock on SQLite).
+    """
+    if connection.vendor != "postgresql":
+        return dispatch_paused(), None
+    table = connection.ops.quote_name(DispatchControl._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT statement_timestamp(), (SELECT paused FROM {table} WHERE id = %s)",  # noqa: S608  (a model's table name)
+            [_CONTROL_PK],
+        )
+        row = cursor.fetchone()
+    assert row is not None
+    now: datetime = row[0]
+    return bool(row[1]), now.astimezone(UTC)
 
 
 def dispatch_set_paused(*, paused: bool, reason: str = "", actor: str = "") -> None:
@@ -338,19 +368,24 @@ def dispatch_cycle(
     Must not be called inside a transaction: each claim commits on its own.
     """
     _ensure_no_outer_transaction()
-    if dispatch_paused():
+    is_paused, observed_at = _paused_and_clock()
+    if is_paused:
         paused = DispatchCycleResult.paused(scope.kind)
         cycle_recorder.record(paused, scope=scope)
         return paused
     budget = dispatch_budget()
     if scope.kind is Scope.SESSION:
         pk = _session_pk(scope, session_pk)
-        if pk is not None:
-            _revoke_over_delivered(session_pk=pk, max_deliveries=budget.max_deliveries)
+        if pk is not None and _revoke_over_delivered(
+            session_pk=pk, max_deliveries=budget.max_deliveries
+        ):
+            # A revoke just wrote the Attempt's `not_before`: the cycle must
+            # observe a moment after it, not the one read before.
+            observed_at = None
     result = dispatch_once(
         scope=scope,
         budget=budget,
-        ports=orm_ports(),
+        ports=orm_ports(clock=None if observed_at is None else _ReadClock(observed_at)),
         secret=str(settings.QINGLONG_LEASE_SECRET).encode(),
         pull=pull,
         max_offers=max_offers,
@@ -362,7 +397,9 @@ def dispatch_cycle(
         # announcement only restarts the backoff (docs/adr/0002).
         leases_record_delivery(
             (offer.lease.lease_id for offer in result.offers),
-            now=db_now(),
+            # The cycle's own reading of that clock (observed_at): one
+            # statement fewer, a few milliseconds earlier.
+            now=result.observed_at or db_now(),
             count=scope.kind is Scope.SESSION,
         )
     cycle_recorder.record(result, scope=scope)

@@ -14,6 +14,7 @@ checks against these adapters and the in-memory fakes.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
 
@@ -27,6 +28,7 @@ from dispatch.core.placement import validate_placement
 from dispatch.core.policy import free_slots
 from dispatch.core.ports import (
     Candidate,
+    Clock,
     DispatchPlan,
     DispatchPorts,
     DispatchScope,
@@ -39,7 +41,7 @@ from leases import policy
 from leases.claim import DatabaseClaimPort
 from leases.models import LeaseState, RunLease
 from qinglong.clock import DatabaseClock
-from runs.models import Attempt, AttemptState, RunState
+from runs.models import Attempt, AttemptState, Run, RunState, TaskRevision
 from runs.services import attempt_spec
 from workers.models import WorkerSession
 
@@ -192,6 +194,25 @@ def _recoverable(lease: RunLease) -> RecoverableLease:
     )
 
 
+# --------------------------------------------------------- one cycle's memo
+
+
+@dataclass
+class CycleMemo:
+    """What one cycle's candidate reads saw, for its plans (issue #12).
+
+    A candidate row already names its Attempt, Run and pinned revision, and
+    none of these ever changes for an Attempt (a Run is pinned to its
+    revision at creation; revisions are immutable). So a plan for a
+    candidate this cycle read needs no second read of the Attempt and its
+    Run, and each revision is read once per cycle, however many of its Runs
+    are planned. Bounded by what the cycle reads (its budget).
+    """
+
+    candidates: dict[str, tuple[Candidate, int]] = field(default_factory=dict)  # → revision pk
+    revisions: dict[int, TaskRevision] = field(default_factory=dict)
+
+
 # ----------------------------------------------------------------- candidates
 
 
@@ -215,6 +236,9 @@ def decode_candidate_cursor(cursor: str) -> tuple[int, datetime, int]:
 
 class OrmCandidateSource:
     """Pending Attempts of queued Runs in keyset order (docs/adr/0001 step 2)."""
+
+    def __init__(self, memo: CycleMemo | None = None) -> None:
+        self.memo = memo
 
     def candidate_page(
         self, *, observed_at: datetime, cursor: str | None, limit: int
@@ -261,6 +285,9 @@ class OrmCandidateSource:
         )
         page, more = rows[:limit], len(rows) > limit
         items = tuple(_candidate(attempt) for attempt in page)
+        if self.memo is not None:
+            for attempt, item in zip(page, items, strict=True):
+                self.memo.candidates[item.attempt_id] = (item, attempt.run.task_revision_id)
         next_cursor = None
         if more:
             last = page[-1]
@@ -366,18 +393,24 @@ class OrmPlanSource:
     (the core calls `prepare` lazily, docs/adr/0001, Consequences: plans stay bounded).
     """
 
+    def __init__(self, memo: CycleMemo | None = None) -> None:
+        self.memo = memo
+
     def prepare(self, candidate: Candidate) -> DispatchPlan:
         if not candidate.attempt_id.isdigit() or not candidate.run_id.isdigit():
             raise PlanUnavailable("not a database id")
-        attempt = (
-            Attempt.objects.select_related("run__task_revision")
-            .filter(pk=int(candidate.attempt_id), run_id=int(candidate.run_id))
-            .first()
-        )
-        if attempt is None:
-            raise PlanUnavailable("the attempt or its run is gone")
-        run = attempt.run
-        revision = run.task_revision
+        remembered = self._remembered(candidate)
+        if remembered is not None:
+            attempt, run, revision = remembered
+        else:
+            found = (
+                Attempt.objects.select_related("run__task_revision")
+                .filter(pk=int(candidate.attempt_id), run_id=int(candidate.run_id))
+                .first()
+            )
+            if found is None:
+                raise PlanUnavailable("the attempt or its run is gone")
+            attempt, run, revision = found, found.run, found.run.task_revision
         # The Run is pinned to one revision; a candidate built from another one
         # (drift) must not be materialized from whatever is there now.
         if revision.revision != candidate.task_revision:
@@ -399,14 +432,41 @@ class OrmPlanSource:
             placement=placement,
         )
 
+    def _remembered(self, candidate: Candidate) -> tuple[Attempt, Run, TaskRevision] | None:
+        """The rows of a candidate this cycle read, exactly as read; the revision
+        read once per cycle. None for anything else (a recovered lease, a
+        candidate this cycle did not read, or one whose identity differs)."""
+        if self.memo is None:
+            return None
+        seen = self.memo.candidates.get(candidate.attempt_id)
+        if seen is None or seen[0] != candidate:
+            return None
+        revision_pk = seen[1]
+        revision = self.memo.revisions.get(revision_pk)
+        if revision is None:
+            revision = TaskRevision.objects.filter(pk=revision_pk).first()
+            if revision is None:
+                return None
+            self.memo.revisions[revision_pk] = revision
+        run = Run(
+            pk=int(candidate.run_id),
+            project_id=int(candidate.project_id),
+            task_id=int(candidate.task_id),
+            task_revision_id=revision_pk,
+        )
+        attempt = Attempt(pk=int(candidate.attempt_id), run_id=run.pk)
+        return attempt, run, revision
 
-def orm_ports() -> DispatchPorts:
-    """The production wiring: ORM sources, the one claim path, the database clock."""
+
+def orm_ports(*, clock: Clock | None = None) -> DispatchPorts:
+    """The production wiring of one cycle: ORM sources sharing one `CycleMemo`,
+    the one claim path, the database clock (or `clock`, already read)."""
+    memo = CycleMemo()
     return DispatchPorts(
         recovery=OrmLeaseRecoverySource(),
-        candidates=OrmCandidateSource(),
+        candidates=OrmCandidateSource(memo),
         workers=OrmWorkerSnapshotSource(),
-        plans=OrmPlanSource(),
+        plans=OrmPlanSource(memo),
         claims=DatabaseClaimPort(),
-        clock=DatabaseClock(),
+        clock=clock or DatabaseClock(),
     )
