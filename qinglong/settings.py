@@ -138,7 +138,12 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     }
     _db["TEST"] = {"NAME": env_str("SQLITE_TEST_NAME", "") or None}
 elif _db["ENGINE"] == "django.db.backends.postgresql":
-    _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 0, minimum=0)
+    # Persistent connections (issue #12): a new PostgreSQL connection per
+    # request (a backend process forked, authenticated, set up) cost more than
+    # the request's own queries. Each web thread keeps one for up to this many
+    # seconds, checked before reuse (CONN_HEALTH_CHECKS), so max_connections
+    # must cover web workers x threads plus dispatchers; 0 = one per request.
+    _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60, minimum=0)
     _db["CONN_HEALTH_CHECKS"] = True
     _db.setdefault("OPTIONS", {})
     _db["OPTIONS"].setdefault("connect_timeout", env_int("DB_CONNECT_TIMEOUT_S", 5, minimum=1))
