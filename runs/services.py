@@ -7,7 +7,7 @@ creates them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 
 from django.db import transaction
@@ -153,6 +153,64 @@ def run_enqueue(
     )
     Attempt.objects.create(run=run, number=1, priority=priority, queued_at=now)
     return run
+
+
+# A bulk enqueue is one transaction of at most this many Runs (POST /api/v1/runs
+# with a list): big enough to amortize a request, small enough to bound its work.
+MAX_BULK_RUNS = 1000
+
+
+class BulkItemError(ValueError):
+    """Item `index` of a bulk enqueue is refused; nothing was enqueued.
+
+    `code` names the rule it breaks (`no_revision`, `out_of_range`), never its value.
+    """
+
+    def __init__(self, index: int, field: str, code: str) -> None:
+        super().__init__(f"[{index}].{field}: {code}")
+        self.index = index
+        self.field = field
+        self.code = code
+
+
+def run_enqueue_bulk(*, items: Sequence[tuple[Task, int]]) -> list[Run]:
+    """Enqueue one Run per (Task, priority), all or nothing, in the order given.
+
+    The same rules as `run_enqueue` for each item; the first item that breaks
+    one raises `BulkItemError` naming it, before anything is written. One
+    transaction, one clock reading (every Run of the request is queued at the
+    same instant, so they keep the request's order within a priority), two
+    multi-row inserts.
+    """
+    if not 1 <= len(items) <= MAX_BULK_RUNS:
+        raise BulkItemError(0, "body", "out_of_range")
+    revisions: list[int] = []
+    for index, (task, priority) in enumerate(items):
+        if task.current_revision_id is None:
+            raise BulkItemError(index, "task", "no_revision")
+        revisions.append(task.current_revision_id)
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not -1000 <= priority <= 1000
+        ):
+            raise BulkItemError(index, "priority", "out_of_range")
+    with transaction.atomic():
+        now = db_now()
+        runs = Run.objects.bulk_create(
+            Run(
+                project_id=task.project_id,
+                task=task,
+                task_revision_id=revision_id,
+                priority=priority,
+                queued_at=now,
+            )
+            for (task, priority), revision_id in zip(items, revisions, strict=True)
+        )
+        Attempt.objects.bulk_create(
+            Attempt(run=run, number=1, priority=run.priority, queued_at=now) for run in runs
+        )
+    return runs
 
 
 def run_attempts(run: Run) -> Iterable[Attempt]:

@@ -58,6 +58,11 @@ def _run_summary(run: Run) -> dict[str, Any]:
     }
 
 
+def run_summary(run: Run) -> dict[str, Any]:
+    """A Run as the list shows it; its Project, Task and revision already read in."""
+    return _run_summary(run)
+
+
 def _lease_json(lease: RunLease) -> dict[str, Any]:
     return {
         "lease_id": str(lease.pk),

@@ -263,6 +263,10 @@ class RunDetailSerializer(RunSummarySerializer):
     attempts = AttemptSerializer(many=True)
 
 
+class RunBulkCreatedSerializer(BodySerializer):
+    results = RunSummarySerializer(many=True, help_text="The Runs enqueued, in the order given.")
+
+
 class RunPageSerializer(BodySerializer):
     results = RunSummarySerializer(many=True)
     next_cursor = serializers.CharField(allow_null=True)

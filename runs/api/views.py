@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import IntegrityError
+from django.db.models import Q
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, PolymorphicProxySerializer, extend_schema
 from rest_framework import serializers, status
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.exceptions import ErrorDetail, ValidationError
@@ -36,12 +37,20 @@ from qinglong.api_common import (
 from qinglong.api_errors import ApiError, safe_field_name
 from qinglong.api_schema import error_responses, retry_after
 from runs.api.permissions import OperatorPermission, permissions_doc
-from runs.api.selectors import MAX_PAGE, project_json, project_page, run_detail, run_page
+from runs.api.selectors import (
+    MAX_PAGE,
+    project_json,
+    project_page,
+    run_detail,
+    run_page,
+    run_summary,
+)
 from runs.api.serializers import (
     SLUG_RE,
     ProjectCreateRequestSerializer,
     ProjectPageSerializer,
     ProjectSerializer,
+    RunBulkCreatedSerializer,
     RunCreateRequestSerializer,
     RunDetailSerializer,
     RunPageSerializer,
@@ -50,7 +59,16 @@ from runs.api.serializers import (
     TaskSerializer,
 )
 from runs.models import Project, Run, RunState, Task
-from runs.services import DefinitionError, project_create, run_enqueue, task_create, task_update
+from runs.services import (
+    MAX_BULK_RUNS,
+    BulkItemError,
+    DefinitionError,
+    project_create,
+    run_enqueue,
+    run_enqueue_bulk,
+    task_create,
+    task_update,
+)
 
 _CANCEL_RETRIES = 3
 
@@ -267,6 +285,13 @@ class RunListQuerySerializer(StrictSerializer):
     limit = QueryIntegerField(required=False, min_value=1, max_value=MAX_PAGE, default=50)
 
 
+# The list form of the create body, for the schema (the stub types the
+# serializers argument without ListSerializer).
+_RUN_CREATE_LIST: Any = serializers.ListSerializer(
+    child=RunCreateRequestSerializer(), min_length=1, max_length=MAX_BULK_RUNS
+)
+
+
 class RunsView(OperatorApiView):
     """Runs: enqueue one, or list them newest first."""
 
@@ -293,14 +318,39 @@ class RunsView(OperatorApiView):
 
     @extend_schema(
         operation_id="runs_create",
-        summary="Enqueue a Run pinned to the Task's current revision",
-        description=permissions_doc(*ADD_RUN),
+        summary="Enqueue a Run (an object) or up to 1,000 Runs at once (a list)",
+        description=(
+            "An object enqueues one Run pinned to the Task's current revision and answers "
+            "it with its Attempts (`404` for an unknown project/task). A list of 1 to "
+            f"{MAX_BULK_RUNS} such objects enqueues them all in one transaction, or none: "
+            "the first bad item is a `400` whose message names it by index and field "
+            "(`items[3].priority: max_value`, `items[0].task: not_found`); the answer is "
+            '`{"results": [...]}`, the Runs in the order given. '
+        )
+        + permissions_doc(*ADD_RUN),
         tags=["operator"],
-        request=RunCreateRequestSerializer,
-        responses={201: RunDetailSerializer, **error_responses(404)},
+        request=PolymorphicProxySerializer(
+            component_name="RunCreateOneOrMany",
+            serializers=[
+                RunCreateRequestSerializer,
+                _RUN_CREATE_LIST,
+            ],
+            resource_type_field_name=None,
+            many=False,
+        ),
+        responses={
+            201: PolymorphicProxySerializer(
+                component_name="RunCreated",
+                serializers=[RunDetailSerializer, RunBulkCreatedSerializer],
+                resource_type_field_name=None,
+            ),
+            **error_responses(404),
+        },
         parameters=[retry_after()],
     )
     def post(self, request: Request) -> Response:
+        if isinstance(request.data, list):
+            return self._post_many(request.data)
         body = validated(RunCreateRequestSerializer, request.data)
         task = (
             Task.objects.filter(project__slug=body["project"], name=body["task"])
@@ -312,6 +362,60 @@ class RunsView(OperatorApiView):
         with _service_errors():
             run = run_enqueue(task=task, priority=body.get("priority", 0))
         return Response(run_detail(run.pk), status=status.HTTP_201_CREATED)
+
+    def _post_many(self, items: list[Any]) -> Response:
+        """A list: every Run or none; the first bad item is named by its index."""
+        if not 1 <= len(items) <= MAX_BULK_RUNS:
+            raise ApiError(
+                status_code=400,
+                code="invalid_request",
+                message=f"invalid request: body: a list of 1 to {MAX_BULK_RUNS} Runs",
+            )
+        bodies = [_bulk_item(index, item) for index, item in enumerate(items)]
+        pairs = {(body["project"], body["task"]) for body in bodies}
+        lookup = Q()
+        for project, name in pairs:
+            lookup |= Q(project__slug=project, name=name)
+        tasks = {
+            (task.project.slug, task.name): task
+            for task in Task.objects.filter(lookup).select_related("project", "current_revision")
+        }
+        chosen: list[tuple[Task, int]] = []
+        for index, body in enumerate(bodies):
+            task = tasks.get((body["project"], body["task"]))
+            if task is None:
+                raise _bulk_error(index, "task", "not_found")
+            chosen.append((task, body.get("priority", 0)))
+        try:
+            runs = run_enqueue_bulk(items=chosen)
+        except BulkItemError as err:
+            raise _bulk_error(err.index, err.field, err.code) from None
+        for run in runs:
+            # The summary reads these relations; they are the Tasks just resolved.
+            run.project = run.task.project
+            run.task_revision = run.task.current_revision  # type: ignore[assignment]
+        return Response(
+            {"results": [run_summary(run) for run in runs]}, status=status.HTTP_201_CREATED
+        )
+
+
+def _bulk_error(index: int, field: str, code: str) -> ApiError:
+    return ApiError(
+        status_code=400,
+        code="invalid_request",
+        message=f"invalid request: items[{index}].{safe_field_name(field)}: {code}",
+    )
+
+
+def _bulk_item(index: int, item: Any) -> dict[str, Any]:
+    """One item of a bulk enqueue, validated as the single form's body is."""
+    if not isinstance(item, Mapping):
+        raise _bulk_error(index, "body", "not_object")
+    serializer = RunCreateRequestSerializer(data=item)
+    if not serializer.is_valid():
+        # The same envelope as the single form, each field prefixed by the item.
+        raise ValidationError({f"items[{index}]": serializer.errors})
+    return dict(serializer.validated_data)
 
 
 _RUN_ID = OpenApiParameter(
