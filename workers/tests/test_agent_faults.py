@@ -267,11 +267,13 @@ def test_the_agents_direct_child_dies_with_it(live_server, setup) -> None:
 
 class FlakyProxy:
     """A TCP forwarder in front of the live server that can fail like a
-    restarting web server: reset every connection, or refuse them."""
+    restarting web server: reset every connection, or refuse them. Going down
+    also drops the connections already open (the agent keeps them alive)."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.mode = "up"  # up | reset | refused
+        self.open: set[socket.socket] = set()
         self.listener = self._listen(0)
         self.port = self.listener.getsockname()[1]
         self._stop = threading.Event()
@@ -297,6 +299,10 @@ class FlakyProxy:
         elif mode != "refused" and self.mode == "refused":
             self.listener = self._listen(self.port)
         self.mode = mode
+        if mode != "up":
+            for client in list(self.open):
+                with contextlib.suppress(OSError):
+                    client.shutdown(socket.SHUT_RDWR)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -315,17 +321,24 @@ class FlakyProxy:
             threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
 
     def _pipe(self, client: socket.socket) -> None:
-        with client, socket.create_connection(self.target) as upstream:
-            sockets = [client, upstream]
-            while True:
-                ready, _, _ = select.select(sockets, [], [], 30)
-                if not ready:
-                    return
-                for source in ready:
-                    data = source.recv(65536)
-                    if not data:
+        self.open.add(client)
+        try:
+            with client, socket.create_connection(self.target) as upstream:
+                sockets = [client, upstream]
+                while True:
+                    ready, _, _ = select.select(sockets, [], [], 30)
+                    if not ready:
                         return
-                    (upstream if source is client else client).sendall(data)
+                    for source in ready:
+                        try:
+                            data = source.recv(65536)
+                            if not data:
+                                return
+                            (upstream if source is client else client).sendall(data)
+                        except OSError:  # dropped by set() going down
+                            return
+        finally:
+            self.open.discard(client)
 
     def close(self) -> None:
         self._stop.set()
