@@ -23,10 +23,10 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models.functions import Now
 from django.utils import timezone
 
 from leases.models import LeaseState, RunLease
+from qinglong.rows import ModelColumns
 from runs.models import ATTEMPT_ACTIVE_STATES, Attempt, Project, Run, Task, TaskRevision
 from workers.models import Worker, WorkerSession
 
@@ -268,27 +268,54 @@ def lock_claim_rows(
     )
 
 
+_ACK_RUN = ModelColumns(Run, "r")
+_ACK_REVISION = ModelColumns(TaskRevision, "v")
+_ACK_ATTEMPT = ModelColumns(Attempt, "a")
+_ACK_SESSION = ModelColumns(WorkerSession, "s")
+_ACK_LEASE = ModelColumns(RunLease, "l")
+_ACK_PARTS = (_ACK_RUN, _ACK_REVISION, _ACK_ATTEMPT, _ACK_SESSION, _ACK_LEASE)
+
+
 def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
     """Run → Attempt → WorkerSession → RunLease of one of this Session's leases, one statement.
 
     Found by offer id and owning Session together, so a request naming
-    another Session's lease locks nothing. Every row is locked `FOR NO KEY
-    UPDATE` (an ACK changes no key): it excludes every other writer of these
-    rows as `FOR UPDATE` would, but leaves the foreign-key checks of inserts
-    that point at them (history rows, output chunks) alone. The Run comes
-    with its pinned revision (retry policy, output redaction), not locked.
-    `now` (`LeaseChain.now`) is the database clock of this statement.
+    another Session's lease locks nothing. The locks are those of
+    `lock_lease_chain(with_session=True)` (`FOR UPDATE` of Run, Attempt and
+    lease, `FOR NO KEY UPDATE` of the Session), taken in that order by one
+    statement; the Run comes with its pinned revision (retry policy, timeout,
+    output redaction), not locked. `LeaseChain.now` is the database clock at
+    this statement (the process clock on SQLite). Hand-written SQL loaded
+    like a queryset (`qinglong.rows`): this runs once per ACK.
     """
-    lease = (
-        RunLease.objects.select_related("run__task_revision", "attempt", "session")
-        .select_for_update(no_key=True, of=("run", "attempt", "session", "self"))
-        .filter(offer_id=offer_id, session_id=session_pk)
-        .annotate(db_now=Now())
-        .first()
+    qn = connection.ops.quote_name
+    postgres = connection.vendor == "postgresql"
+    selects = ", ".join(part.select() for part in _ACK_PARTS)
+    sql = (
+        f"SELECT {selects}{', statement_timestamp()' if postgres else ''} "  # noqa: S608  (names from model metadata; values are parameters)
+        f"FROM {qn(Run._meta.db_table)} r, {qn(TaskRevision._meta.db_table)} v, "
+        f"{qn(Attempt._meta.db_table)} a, {qn(WorkerSession._meta.db_table)} s, "
+        f"{qn(RunLease._meta.db_table)} l "
+        f"WHERE l.{qn('offer_id')} = %s AND l.{qn('session_id')} = %s "
+        f"AND r.{qn('id')} = l.{qn('run_id')} AND v.{qn('id')} = r.{qn('task_revision_id')} "
+        f"AND a.{qn('id')} = l.{qn('attempt_id')} AND s.{qn('id')} = l.{qn('session_id')}"
+        + (" FOR UPDATE OF r, a FOR NO KEY UPDATE OF s FOR UPDATE OF l" if postgres else "")
     )
-    if lease is None:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [offer_id, session_pk])
+        row = cursor.fetchone()
+    if row is None:
         return None
-    now = lease.db_now if connection.vendor == "postgresql" else timezone.now()
-    return LeaseChain(
-        run=lease.run, attempt=lease.attempt, session=lease.session, lease=lease, now=now
-    )
+    loaded = []
+    offset = 0
+    for part in _ACK_PARTS:
+        loaded.append(part.load(row[offset : offset + len(part)]))
+        offset += len(part)
+    run, revision, attempt, session, lease = loaded
+    assert isinstance(run, Run) and isinstance(revision, TaskRevision)
+    assert isinstance(attempt, Attempt) and isinstance(session, WorkerSession)
+    assert isinstance(lease, RunLease)
+    run.task_revision = revision
+    lease.run, lease.attempt, lease.session = run, attempt, session
+    now = row[offset] if postgres else timezone.now()
+    return LeaseChain(run=run, attempt=attempt, session=session, lease=lease, now=now)

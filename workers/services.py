@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q
 
 from dispatch.core.errors import SpecError
@@ -37,6 +37,7 @@ from leases.selectors import cancelled_offer_ids, offers_to_stop
 from leases.timeout import timed_out_offer_ids
 from notifications.services import worker_offline_emit
 from qinglong.clock import db_now
+from qinglong.rows import ModelColumns
 from workers.models import (
     SESSION_CURRENT_STATES,
     SessionEndReason,
@@ -285,15 +286,37 @@ class SessionRejected(Exception):
         self.code = code
 
 
+_AUTH_SESSION = ModelColumns(WorkerSession, "s")
+_AUTH_WORKER = ModelColumns(Worker, "w")
+
+
+def _session_by_token_digest(digest: str) -> WorkerSession | None:
+    """The Session holding this token digest, its Worker read in: one indexed lookup.
+
+    Every Worker API request but a Session open starts here, so the SQL is
+    written once instead of compiled per request (`qinglong.rows`); the
+    instances are the ones `select_related("worker")` would build.
+    """
+    qn = connection.ops.quote_name
+    sql = (
+        f"SELECT {_AUTH_SESSION.select()}, {_AUTH_WORKER.select()} "  # noqa: S608  (names from model metadata; values are parameters)
+        f"FROM {qn(WorkerSession._meta.db_table)} s "
+        f"JOIN {qn(Worker._meta.db_table)} w ON w.{qn('id')} = s.{qn('worker_id')} "
+        f"WHERE s.{qn('token_digest')} = %s"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [digest])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    session = _AUTH_SESSION.load(row[: len(_AUTH_SESSION)])
+    session.worker = _AUTH_WORKER.load(row[len(_AUTH_SESSION) :])
+    return session
+
+
 def session_authenticate(token: str) -> WorkerSession:
     """The Session of a token, or `SessionRejected` with a precise code."""
-    session = (
-        WorkerSession.objects.select_related("worker")
-        .filter(token_digest=token_digest(token))
-        .first()
-        if token
-        else None
-    )
+    session = _session_by_token_digest(token_digest(token)) if token else None
     if session is None:
         raise SessionRejected("invalid_session_token")
     if not session_is_current(session):
