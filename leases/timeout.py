@@ -14,7 +14,9 @@ the agent's own timeout report first):
   every sweep) revokes its lease and ends it with reason and error code
   `timed_out`, whether or not any agent is still there: a running Attempt
   `failed`, a starting one `lost` (nothing said it ever ran). The Run's retry
-  policy treats a timeout like a failed exit code (`retry_on`).
+  policy treats a timeout like a failed exit code (`retry_on`); the retry
+  waits the lost-execution grace like any execution the control plane gave
+  up on (docs/adr/0005), unless the Worker confirmed the process gone.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from leases.end import attempt_finish
 from leases.errors import LostRace, Outcome
 from leases.locks import lock_active_lease, lock_attempt, lock_run
 from leases.models import LeaseState, RunLease
-from leases.policy import SWEEP_BATCH
-from leases.reasons import EndReason
+from leases.policy import SWEEP_BATCH, lost_execution_grace
+from leases.reasons import EndReason, WaitReason
 from leases.transitions import lease_transition
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState
@@ -117,6 +119,12 @@ def attempt_time_out(attempt_id: int) -> Outcome:
             to_state = (
                 AttemptState.FAILED if attempt.state == AttemptState.RUNNING else AttemptState.LOST
             )
+            # A timed-out process may still run where the control plane cannot
+            # see it (a hung agent, a lost one): its retry waits the
+            # lost-execution grace unless the Worker confirmed it gone
+            # (docs/adr/0005; a reconcile report lifts the wait).
+            grace = lost_execution_grace()
+            hold = grace > timedelta(0) and (lease is None or lease.execution_confirmed_at is None)
             attempt_finish(
                 attempt,
                 run,
@@ -124,6 +132,8 @@ def attempt_time_out(attempt_id: int) -> Outcome:
                 reason=TIMED_OUT,
                 actor="control-plane",
                 now=now,
+                retry_not_before=now + grace if hold else None,
+                retry_wait_reason=WaitReason.LOST_EXECUTION_GRACE,
                 error_code=TIMED_OUT,
             )
     except LostRace:

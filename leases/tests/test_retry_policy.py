@@ -128,3 +128,7 @@ def test_a_timeout_is_retried_like_a_failed_exit_code() -> None:
     retried.refresh_from_db()
     not_retried.refresh_from_db()
     assert (retried.state, not_retried.state) == (RunState.QUEUED, RunState.FAILED)
+    # The timed-out process may still run somewhere: the retry waits the grace.
+    nxt = Attempt.objects.get(run=retried, number=2)
+    assert nxt.not_before_reason == WaitReason.LOST_EXECUTION_GRACE
+    assert nxt.not_before is not None and nxt.not_before > db_now()
