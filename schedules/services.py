@@ -30,6 +30,8 @@ from django.db.models import Q
 from leases.end import run_cancel
 from leases.errors import LostRace, Outcome
 from leases.quota import quota_blocker
+from notifications.models import WebhookEvent
+from notifications.services import admin_url, event_emit
 from qinglong.clock import db_now
 from runs.models import Run, RunState, Task
 from runs.services import run_enqueue
@@ -183,9 +185,13 @@ def _record_stretch(
     now: datetime,
     actor: str = _EVALUATOR,
 ) -> None:
-    """One row for consecutive missed or paused fires, first through last."""
+    """One row for consecutive missed or paused fires, first through last.
+
+    A missed stretch is reported to the Project's webhooks (`schedule.missed`)
+    in this same transaction: the delivery exists exactly when the row does.
+    """
     count = schedule_cron(schedule).count_between(first, last, cap=MAX_COUNTED_FIRES)
-    _record(
+    fire = _record(
         schedule,
         fire_at=first,
         last_fire_at=None if last == first else last,
@@ -195,6 +201,25 @@ def _record_stretch(
         now=now,
         actor=actor,
     )
+    if outcome == FireOutcome.MISSED:
+        event_emit(
+            event=WebhookEvent.SCHEDULE_MISSED,
+            project_id=schedule.task.project_id,
+            # One delivery per ledger row (the row is unique per schedule and first fire).
+            subject_key=f"schedule:{schedule.pk}:missed:{first.isoformat()}",
+            data={
+                "schedule": {
+                    "id": str(schedule.pk),
+                    "name": schedule.name,
+                    "task_id": str(schedule.task_id),
+                    "first_missed_at": first.isoformat(),
+                    "last_missed_at": last.isoformat(),
+                    "missed": count,
+                    "ledger_id": str(fire.pk),
+                    "admin_url": admin_url("admin:schedules_schedule_change", schedule.pk),
+                }
+            },
+        )
 
 
 def _active_runs(schedule: Schedule) -> list[Run]:
