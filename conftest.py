@@ -34,10 +34,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _fresh_cycle_recorder() -> object:
-    """Each test starts a fresh DispatchCycle window: its first cycle of any
-    outcome is a row of its own, as in a process that just started."""
-    from dispatch.cycles import cycle_recorder  # Django is set up by now
+    """Each test starts as a process that just started would: a fresh
+    DispatchCycle window (its first cycle of any outcome is a row of its own)
+    and no TaskRevision read yet."""
+    from dispatch.adapters.orm import revisions_read  # Django is set up by now
+    from dispatch.cycles import cycle_recorder
 
     cycle_recorder.reset()
+    revisions_read.clear()  # a test database may reuse a primary key
     yield
     cycle_recorder.reset()

@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 E2E_DB, MICRO_DB, PEER_DB = "ql_bench_e2e", "ql_bench_micro", "ql_bench_peer"
 # Tests use Redis databases 3 and 15; the bench owns 11 (flushed before and after).
 REDIS_URL = "redis://127.0.0.1:6379/11"
-PROJECT, TASK = "bench", "noop"
+PROJECT, TASK, BULK_TASK = "bench", "noop", "noop-bulk"
 TERMINAL = ("succeeded", "failed", "cancelled")
 INSTALL_HINT = "the peer needs: .venv/bin/pip install -r bench/requirements.txt"
 
@@ -307,6 +307,36 @@ def enqueue(port: int, token: str, *, runs: int, threads: int, deadline: float) 
     }
 
 
+def enqueue_bulk(port: int, token: str, *, runs: int, per_request: int) -> dict[str, Any]:
+    """POST /api/v1/runs with lists of `per_request` Runs, one client, one after another."""
+    api = Api(port, token)
+    latencies: list[float] = []
+    ids: list[int] = []
+    try:
+        started = time.perf_counter()
+        for offset in range(0, runs, per_request):
+            batch = min(per_request, runs - offset)
+            body = [{"project": PROJECT, "task": BULK_TASK}] * batch
+            request_started = time.perf_counter()
+            status, answer = api.call("POST", "/api/v1/runs", body)
+            latencies.append(time.perf_counter() - request_started)
+            results = _expect(status, answer, 201, "bulk enqueue")["results"]
+            if len(results) != batch:
+                raise RuntimeError(f"bulk enqueue: {len(results)} of {batch} answered")
+            ids.extend(int(run["id"]) for run in results)
+        seconds = time.perf_counter() - started
+    finally:
+        api.close()
+    return {
+        "runs": runs,
+        "per_request": per_request,
+        "seconds": seconds,
+        "per_s": runs / seconds,
+        "request_p50_ms": 1000 * statistics.median(latencies),
+        "ids": ids,
+    }
+
+
 # ------------------------------------------------------------------------ e2e
 
 
@@ -454,7 +484,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
     from dispatch.cycles import dispatch_set_paused
     from dispatch.models import DispatchCycle
     from leases.models import RunLease
-    from runs.models import Run
+    from runs.models import Attempt, Run
     from workers.models import WorkerSession
 
     port = _free_port()
@@ -497,7 +527,22 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         "timeout_s": 60,
     }
     _expect(*api.call("POST", f"/api/v1/projects/{PROJECT}/tasks", definition), 201, "task")
+    bulk_definition = {**definition, "name": BULK_TASK}
+    _expect(*api.call("POST", f"/api/v1/projects/{PROJECT}/tasks", bulk_definition), 201, "task")
     api.close()
+
+    # Dispatch stays paused until the drain: the bulk-enqueued Runs are
+    # counted, checked and deleted again before any of them could be claimed.
+    dispatch_set_paused(paused=True, reason="bench start", actor="bench")
+    log(f"bulk enqueue {args.bulk_runs} Runs, {args.bulk_size} per POST /api/v1/runs")
+    bulk = enqueue_bulk(port, token, runs=args.bulk_runs, per_request=args.bulk_size)
+    bulk_ids = bulk.pop("ids")
+    stored = Run.objects.filter(pk__in=bulk_ids, task__name=BULK_TASK, state="queued").count()
+    if stored != args.bulk_runs or len(set(bulk_ids)) != args.bulk_runs:
+        raise RuntimeError(f"bulk enqueue: {stored} queued Runs for {args.bulk_runs} answered")
+    Attempt.objects.filter(run__task__name=BULK_TASK).delete()
+    Run.objects.filter(task__name=BULK_TASK).delete()
+    log(f"  {bulk['per_s']:.0f} Runs/s (p50 {bulk['request_p50_ms']:.0f} ms per request)")
 
     log(f"enqueue {args.runs} Runs through POST /api/v1/runs ({args.enqueue_threads} threads)")
     enq = enqueue(
@@ -510,9 +555,8 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
     ids = enq.pop("ids")
     log(f"  {enq['per_s']:.1f} Runs/s")
 
-    # Everything comes up idle, then dispatch is resumed: the clock measures
-    # the drain, not process start-up.
-    dispatch_set_paused(paused=True, reason="bench start", actor="bench")
+    # Everything comes up idle (dispatch still paused), then dispatch is
+    # resumed: the clock measures the drain, not process start-up.
     python = [sys.executable]
     if args.celery:
         celery = [*python, "-m", "celery", "-A", "qinglong"]
@@ -583,6 +627,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
     cycles = dict(DispatchCycle.objects.values_list("scope").annotate(n=Count("id")))
     return {
         "enqueue": enq,
+        "enqueue_bulk": bulk,
         "runs": args.runs,
         "seconds": seconds,
         "per_s": args.runs / seconds,
@@ -839,6 +884,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dispatcher-interval", type=float, default=1.0, help="run_dispatcher --interval (s)")
     add("--pull-throttle", default="60000/min", help="QL_THROTTLE_WORKER_PULL (per Session)")
     add("--enqueue-threads", type=int, default=4, help="client threads enqueueing")
+    add("--bulk-runs", type=int, default=5000, help="Runs enqueued with lists (then deleted)")
+    add("--bulk-size", type=int, default=1000, help="Runs per bulk POST /api/v1/runs")
     add("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"), help="LOG_LEVEL of servers")
     add("--enqueue-timeout", type=float, default=90.0, help="bound on the enqueue (s)")
     add("--drain-timeout", type=float, default=150.0, help="bound on the drain (s)")
@@ -911,7 +958,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             + (f", --long-poll {args.long_poll}" if args.long_poll else "")
             + f"), gunicorn {args.web_workers}x{args.web_threads}, {dispatcher}, "
             f"pull throttle {args.pull_throttle}, "
-            f"DB_CONN_MAX_AGE={os.environ.get('DB_CONN_MAX_AGE', '0 (default)')}, "
+            f"DB_CONN_MAX_AGE={os.environ.get('DB_CONN_MAX_AGE', '60 (default)')}, "
             f"LOG_LEVEL={args.log_level}"
             + (f"; from the environment: {_caller_env()}" if _caller_env() else "")
         )
@@ -920,6 +967,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"{enq['runs']} in {enq['seconds']:.1f}s = {enq['per_s']:.1f} Runs/s "
             f"(p50 {enq['p50_ms']:.0f} ms, p99 {enq['p99_ms']:.0f} ms)   goal: single >= 300/s"
         )
+        bulk = e2e_result.get("enqueue_bulk")
+        if bulk:
+            out(
+                f"           a list of {bulk['per_request']} Runs per request, 1 thread: "
+                f"{bulk['runs']} in {bulk['seconds']:.1f}s = {bulk['per_s']:.0f} Runs/s "
+                f"(p50 {bulk['request_p50_ms']:.0f} ms per request)   goal: bulk >= 2000/s"
+            )
         out(
             f"  e2e      queued -> succeeded through REST: {e2e_result['runs']} in "
             f"{e2e_result['seconds']:.1f}s = {e2e_result['per_s']:.1f} Runs/s "

@@ -13,7 +13,9 @@ checks against these adapters and the in-memory fakes.
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
@@ -46,6 +48,7 @@ from runs.services import attempt_spec
 from workers.models import WorkerSession
 
 __all__ = [
+    "CycleMemo",
     "OrmCandidateSource",
     "OrmLeaseRecoverySource",
     "OrmPlanSource",
@@ -53,6 +56,7 @@ __all__ = [
     "decode_candidate_cursor",
     "encode_candidate_cursor",
     "orm_ports",
+    "revisions_read",
 ]
 
 _CURSOR_SEP: Final = "|"
@@ -205,12 +209,47 @@ class CycleMemo:
     none of these ever changes for an Attempt (a Run is pinned to its
     revision at creation; revisions are immutable). So a plan for a
     candidate this cycle read needs no second read of the Attempt and its
-    Run, and each revision is read once per cycle, however many of its Runs
-    are planned. Bounded by what the cycle reads (its budget).
+    Run, and its revision comes from `revisions_read`. Bounded by what the
+    cycle reads (its budget).
     """
 
     candidates: dict[str, tuple[Candidate, int]] = field(default_factory=dict)  # → revision pk
-    revisions: dict[int, TaskRevision] = field(default_factory=dict)
+
+
+class _Revisions:
+    """TaskRevision rows by primary key, kept for this process (issue #12).
+
+    A revision never changes (`ImmutableRevision`) and is never deleted while
+    a Run points at it (PROTECT), so a row read once stays true; the cache
+    only saves the read. Bounded (least recently used out), thread-safe.
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self._size = size
+        self._rows: OrderedDict[int, TaskRevision] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, pk: int) -> TaskRevision | None:
+        with self._lock:
+            revision = self._rows.get(pk)
+            if revision is not None:
+                self._rows.move_to_end(pk)
+                return revision
+        revision = TaskRevision.objects.filter(pk=pk).first()
+        if revision is not None:
+            with self._lock:
+                self._rows[pk] = revision
+                while len(self._rows) > self._size:
+                    self._rows.popitem(last=False)
+        return revision
+
+    def clear(self) -> None:
+        """Forget every row (tests: a test database may reuse primary keys)."""
+        with self._lock:
+            self._rows.clear()
+
+
+revisions_read = _Revisions()
 
 
 # ----------------------------------------------------------------- candidates
@@ -434,7 +473,7 @@ class OrmPlanSource:
 
     def _remembered(self, candidate: Candidate) -> tuple[Attempt, Run, TaskRevision] | None:
         """The rows of a candidate this cycle read, exactly as read; the revision
-        read once per cycle. None for anything else (a recovered lease, a
+        from `revisions_read`. None for anything else (a recovered lease, a
         candidate this cycle did not read, or one whose identity differs)."""
         if self.memo is None:
             return None
@@ -442,12 +481,9 @@ class OrmPlanSource:
         if seen is None or seen[0] != candidate:
             return None
         revision_pk = seen[1]
-        revision = self.memo.revisions.get(revision_pk)
+        revision = revisions_read.get(revision_pk)
         if revision is None:
-            revision = TaskRevision.objects.filter(pk=revision_pk).first()
-            if revision is None:
-                return None
-            self.memo.revisions[revision_pk] = revision
+            return None
         run = Run(
             pk=int(candidate.run_id),
             project_id=int(candidate.project_id),
