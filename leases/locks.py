@@ -196,22 +196,17 @@ _SESSION_COLUMNS = ("id", "worker_id", "generation", "state", "slots")
 _WORKER_COLUMNS = ("slots", "admin_state")
 
 
-def lock_claim_rows(
-    *, run_id: int, attempt_id: int, session_id: str, skip_locked: bool
-) -> ClaimRows | None:
-    """1, 2 and 4 of the order for a claim: Run → Attempt → WorkerSession, one statement.
+_CLAIM_ROWS_SQL: dict[tuple[str, bool], str] = {}
 
-    The Session is locked in the same statement only when neither the
-    Project nor the pinned revision has a concurrency limit: otherwise
-    Project and Task come first (`leases.quota.quota_blocker(lock=True)`)
-    and the caller locks the Session after them with `lock_session`. None
-    when the Run or Attempt does not exist (or, with `skip_locked`, another
-    transaction holds one of them). No state is checked here: the rows come
-    back as they are once locked, and the claim decides.
-    """
+
+def _claim_rows_sql(vendor: str, *, skip: bool) -> str:
+    """The text of `lock_claim_rows` for this database (written once per variant)."""
+    found = _CLAIM_ROWS_SQL.get((vendor, skip))
+    if found is not None:
+        return found
     qn = connection.ops.quote_name
-    postgres = connection.vendor == "postgresql"
-    run_lock = "FOR UPDATE OF r, a" + (" SKIP LOCKED" if _skip(skip_locked) else "")
+    postgres = vendor == "postgresql"
+    run_lock = "FOR UPDATE OF r, a" + (" SKIP LOCKED" if skip else "")
     session_lock = "FOR NO KEY UPDATE OF s"
     no_limits = "(SELECT ra.p_limit = 0 AND ra.t_limit = 0 FROM ra)"
     sql = f"""
@@ -237,6 +232,25 @@ def lock_claim_rows(
         SELECT ra.*, sw.*{", clock_timestamp() AS now" if postgres else ""}
         FROM ra LEFT JOIN sw ON 1 = 1
     """  # noqa: S608  (names from model metadata; values are parameters)
+    _CLAIM_ROWS_SQL[(vendor, skip)] = sql
+    return sql
+
+
+def lock_claim_rows(
+    *, run_id: int, attempt_id: int, session_id: str, skip_locked: bool
+) -> ClaimRows | None:
+    """1, 2 and 4 of the order for a claim: Run → Attempt → WorkerSession, one statement.
+
+    The Session is locked in the same statement only when neither the
+    Project nor the pinned revision has a concurrency limit: otherwise
+    Project and Task come first (`leases.quota.quota_blocker(lock=True)`)
+    and the caller locks the Session after them with `lock_session`. None
+    when the Run or Attempt does not exist (or, with `skip_locked`, another
+    transaction holds one of them). No state is checked here: the rows come
+    back as they are once locked, and the claim decides.
+    """
+    postgres = connection.vendor == "postgresql"
+    sql = _claim_rows_sql(connection.vendor, skip=_skip(skip_locked))
     # The Session's CTE reads `ra` in its WHERE: PostgreSQL must have locked
     # Run and Attempt before it can even look at the Session row.
     session_key = WorkerSession._meta.get_field("session_id").get_db_prep_value(

@@ -91,8 +91,34 @@ _LEASE: Final = RunLease._meta
 _EVENT: Final = AttemptEvent._meta
 
 
+_QUOTED: dict[tuple[str, str], str] = {}
+
+
 def _q(name: str) -> str:
-    return connection.ops.quote_name(name)
+    # Quoting is per database vendor and never changes: done once per name.
+    key = (connection.vendor, name)
+    quoted = _QUOTED.get(key)
+    if quoted is None:
+        quoted = _QUOTED[key] = connection.ops.quote_name(name)
+    return quoted
+
+
+_INSERT_SQL: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
+
+
+def _insert_sql(meta: Any) -> tuple[str, tuple[Any, ...]]:
+    """The INSERT text of a model (every concrete column but the key) and those fields."""
+    key = (connection.vendor, meta.label)
+    found = _INSERT_SQL.get(key)
+    if found is None:
+        fields = tuple(f for f in meta.concrete_fields if not f.primary_key)
+        columns = ", ".join(_q(f.column) for f in fields)
+        placeholders = ", ".join(["%s"] * len(fields))
+        found = _INSERT_SQL[key] = (
+            f"INSERT INTO {_q(meta.db_table)} ({columns}) SELECT {placeholders}",
+            fields,
+        )
+    return found
 
 
 def _value(meta: Any, name: str, value: object) -> tuple[str, object]:
@@ -102,18 +128,9 @@ def _value(meta: Any, name: str, value: object) -> tuple[str, object]:
 
 def _insert_step(obj: Model) -> _Step:
     """An INSERT of every concrete column of an unsaved instance, as the ORM would."""
-    meta = obj._meta
-    columns: list[str] = []
-    params: list[Any] = []
-    for model_field in meta.concrete_fields:
-        if model_field.primary_key:
-            continue
-        # pre_save applies auto_now_add and the like, exactly as Model.save() does.
-        value = model_field.pre_save(obj, add=True)
-        columns.append(_q(model_field.column))
-        params.append(model_field.get_db_prep_save(value, connection))
-    placeholders = ", ".join(["%s"] * len(params))
-    sql = f"INSERT INTO {_q(meta.db_table)} ({', '.join(columns)}) SELECT {placeholders}"
+    sql, fields = _insert_sql(obj._meta)
+    # pre_save applies auto_now_add and the like, exactly as Model.save() does.
+    params = [f.get_db_prep_save(f.pre_save(obj, add=True), connection) for f in fields]
     return _Step(sql=sql, params=params)
 
 

@@ -38,11 +38,16 @@ class ModelColumns(Generic[M]):
         ]
         self._columns = [field.get_col(alias) for field in self.fields]
         self._converters: dict[str, list[list[_Converter]]] = {}
+        self._select: dict[str, str] = {}
 
     def select(self) -> str:
-        """`alias."column", …` in the order `load` expects them."""
-        qn = connection.ops.quote_name
-        return ", ".join(f"{self.alias}.{qn(field.column)}" for field in self.fields)
+        """`alias."column", …` in the order `load` expects them (written once per vendor)."""
+        found = self._select.get(connection.vendor)
+        if found is None:
+            qn = connection.ops.quote_name
+            found = ", ".join(f"{self.alias}.{qn(field.column)}" for field in self.fields)
+            self._select[connection.vendor] = found
+        return found
 
     def __len__(self) -> int:
         return len(self.fields)
