@@ -8,6 +8,11 @@ docs/adr/0008. Threads:
   hand has had its `starting` answer, and counts offers in hand as taken slots);
 - heartbeat: every `heartbeat_interval_s`, listing the offers held (`held`);
   obeys `cancel` and `stop`; a 401 anywhere means the Session is gone;
+- fence: once no heartbeat has been accepted for the Session timeout (a
+  partition, a control plane down), the Session counts as lost: every process
+  it started is ended (TERM, then KILL after the grace) by this thread itself,
+  whatever the runners are waiting for, before the control plane's
+  lost-execution grace lets a retry start elsewhere (docs/adr/0005, 0008);
 - one runner per Attempt (`AttemptRunner`): ACKs, spawns its process and
   outlives it (the child's parent-death signal is bound to this thread),
   retries its ACKs until answered.
@@ -67,6 +72,13 @@ MAX_RECONCILE_ITEMS = 64
 # The heartbeat's `held` list is capped by the server (a Session has at most
 # 256 slots, so an agent never holds more).
 MAX_HELD = 256
+# How often the fence thread looks at the time since the last accepted
+# heartbeat (it also wakes exactly when the Session timeout is reached).
+FENCE_CHECK_S = 0.5
+# A control plane that does not say its Session timeout (older than
+# `session_timeout_s` in the Session open answer) has the default one: three
+# heartbeat intervals (30 s and 10 s).
+DEFAULT_TIMEOUT_HEARTBEATS = 3
 # Phases whose Attempt the control plane knows as started: a `stop` verdict
 # for an offer still waiting for its `starting` answer is left to that answer.
 _STARTED_PHASES = frozenset({Phase.STARTED, Phase.SPAWNING, Phase.RUNNING, Phase.FINISHED})
@@ -101,6 +113,13 @@ class SessionHandle:
     session_id: str
     generation: int = 0
     lost: threading.Event = field(default_factory=threading.Event)
+    # The control plane declares a Session offline after this long without a
+    # recorded heartbeat (`session_timeout_s` of the Session open answer).
+    timeout_s: float = 30.0
+    # time.monotonic() when the newest heartbeat the control plane accepted
+    # (or the Session open) was SENT: the server recorded it later, so a fence
+    # counted from here always comes before the server's own verdict.
+    accepted_at: float = field(default_factory=time.monotonic)
 
     def __repr__(self) -> str:
         return f"SessionHandle(session_id={self.session_id!r}, generation={self.generation})"
@@ -174,6 +193,7 @@ class Agent:
         self._changed = threading.Condition(self._lock)
         self._heartbeat_now = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        self._fence_thread: threading.Thread | None = None
 
     def _backoff(self, cap_s: float | None = None) -> Backoff:
         return Backoff(
@@ -219,6 +239,7 @@ class Agent:
     # --------------------------------------------------------------- session
 
     def open_session(self) -> SessionHandle:
+        sent = time.monotonic()
         response = self.transport.post(
             "/api/v1/worker/sessions",
             {
@@ -233,12 +254,19 @@ class Agent:
             raise _Unanswered(response.status)
         if response.status not in (200, 201):
             raise SessionRefused(f"{response.status} {response.error_code}")
+        self.heartbeat_interval_s = float(response.body.get("heartbeat_interval_s", 10))
+        timeout = response.body.get("session_timeout_s")
         session = SessionHandle(
             token=str(response.body["session_token"]),
             session_id=str(response.body["session_id"]),
             generation=int(response.body.get("generation", 0)),
+            timeout_s=(
+                float(timeout)
+                if isinstance(timeout, int | float) and timeout > 0
+                else DEFAULT_TIMEOUT_HEARTBEATS * self.heartbeat_interval_s
+            ),
+            accepted_at=sent,
         )
-        self.heartbeat_interval_s = float(response.body.get("heartbeat_interval_s", 10))
         self.session = session
         self._heartbeat_now.set()
         log("session_opened", session_id=session.session_id, generation=session.generation)
@@ -296,9 +324,11 @@ class Agent:
         body: dict[str, Any] = {"draining": self.stopping.is_set()}
         if self._send_held:
             body["held"] = [ex.offer_id for ex in executions][:MAX_HELD]
+        sent = time.monotonic()
         response = self._post(session, "/api/v1/worker/heartbeat", body)
         if response.status == 400 and "held" in body:
             # A control plane that predates `held`: renew as before.
+            sent = time.monotonic()
             legacy = self._post(session, "/api/v1/worker/heartbeat", {"draining": body["draining"]})
             if legacy.status == 200:
                 self._send_held = False
@@ -309,6 +339,8 @@ class Agent:
         if response.status != 200:
             log("heartbeat_refused", status=response.status, code=response.error_code)
             return
+        # Accepted: the Session is alive on the control plane (the fence).
+        session.accepted_at = max(session.accepted_at, sent)
         for offer_id in _ids(response.body.get("cancel")):
             entry = self.runners.get(offer_id)
             if entry is not None:
@@ -373,6 +405,76 @@ class Agent:
                 target=self._heartbeat_loop, name="heartbeat", daemon=True
             )
             self._heartbeat_thread.start()
+        if self._fence_thread is None:
+            self._fence_thread = threading.Thread(
+                target=self._fence_loop, name="fence", daemon=True
+            )
+            self._fence_thread.start()
+
+    # ----------------------------------------------------------------- fence
+
+    def _fence_loop(self) -> None:
+        """Watch the time since the last accepted heartbeat; fence the Session
+        at its timeout. A thread of its own: a heartbeat or an ACK may hang
+        in a request for its whole timeout, the fence must not wait for it."""
+        while not self._closed.is_set():
+            session = self.session
+            wait = FENCE_CHECK_S
+            if session is not None and not session.lost.is_set():
+                silent = time.monotonic() - session.accepted_at
+                if silent >= session.timeout_s:
+                    self.fence(session, silent_s=silent)
+                    continue
+                wait = min(wait, session.timeout_s - silent)
+            self._closed.wait(wait)
+
+    def fence(self, session: SessionHandle, *, silent_s: float) -> None:
+        """No heartbeat accepted for the Session timeout: the control plane
+        declares the Session offline about now and retries its started work
+        after the lost-execution grace. Like Nomad's
+        `stop_after_client_disconnect`: end every process of the Session now
+        (TERM, then KILL after the stop grace), journal them killed, and
+        report them through the reconcile once a new Session is open.
+
+        The processes are ended here, on this thread, all at once, from what
+        the journal knows (pid and start time, process group, the
+        QL_OFFER_ID marker), never waiting for a runner that may hang in a
+        request. The runners stop too (they journal the outcome); the main
+        loop then opens a new Session, patiently, and reconciles."""
+        log(
+            "session_fenced",
+            session_id=session.session_id,
+            silent_s=round(silent_s, 3),
+            timeout_s=session.timeout_s,
+        )
+        with self._lock:
+            running = [entry for entry in self.runners.values() if entry.session is session]
+        for entry in running:
+            entry.runner.fence()
+        self._session_lost(session, "heartbeat_timeout")
+        live = [
+            execution
+            for execution in self.journal.open_executions(session_id=session.session_id)
+            if execution.phase in LIVE_PHASES
+        ]
+        enders = [
+            threading.Thread(target=self._end_fenced, args=(execution,), daemon=True)
+            for execution in live
+        ]
+        for thread in enders:
+            thread.start()
+        for thread in enders:
+            thread.join()
+
+    def _end_fenced(self, execution: Execution) -> None:
+        killed = procfs.end_execution(
+            offer_id=execution.offer_id,
+            pid=execution.pid,
+            start_time=execution.start_time,
+            pgid=execution.pgid,
+            grace_s=self.stop_grace_s,
+        )
+        log("execution_fenced", offer_id=execution.offer_id, killed=killed)
 
     # ------------------------------------------------------------------ pull
 

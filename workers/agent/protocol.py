@@ -308,6 +308,8 @@ class AttemptRunner:
         self.timed_out = False
         self.phase = Phase.RECEIVED
         self._stopped_by_agent = False
+        # The agent's fence ended this Attempt's processes from another thread.
+        self._fenced = False
         self._running_acked = False
 
     # ------------------------------------------------------------ control
@@ -320,6 +322,13 @@ class AttemptRunner:
             self.abandon_reason = self.abandon_reason or reason
             self.abandoned.set()
         self.stop.set()
+
+    def fence(self) -> None:
+        """The agent fenced the Session (no heartbeat accepted for its
+        timeout) and ends this Attempt's processes itself: stop, talk no more
+        under the Session, and journal a death by signal as killed."""
+        self._fenced = True
+        self.cancel(SESSION_LOST)
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -537,7 +546,8 @@ class AttemptRunner:
                 process.release(0)
                 self._finish(Outcome.KILLED)
                 raise
-            self._finish(Outcome.KILLED if self._stopped_by_agent else Outcome.EXITED, exit_code)
+            killed = self._stopped_by_agent or (self._fenced and exit_code < 0)
+            self._finish(Outcome.KILLED if killed else Outcome.EXITED, exit_code)
             outcome.exit_code = exit_code
             outcome.stopped = self.stop_reason
             return self._report(outcome, process)

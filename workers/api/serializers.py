@@ -109,6 +109,12 @@ class SessionOpenResponseSerializer(BodySerializer):
     generation = serializers.IntegerField()
     session_token = serializers.CharField(help_text="Shown once; send as `Bearer` on every call.")
     heartbeat_interval_s = serializers.IntegerField()
+    session_timeout_s = serializers.IntegerField(
+        help_text="A Session with no recorded heartbeat for this long goes offline and its "
+        "started Attempts end `worker_lost`. An agent that has had no heartbeat accepted for "
+        "this long should stop what the Session runs (the reference agent does: "
+        "docs/adr/0008)."
+    )
     lease_ttl_s = serializers.IntegerField()
 
 

@@ -144,6 +144,7 @@ class SessionOpenView(WorkerApiView):
                 "generation": session.generation,
                 "session_token": opened.token,
                 "heartbeat_interval_s": int(settings.QINGLONG_HEARTBEAT_INTERVAL_S),
+                "session_timeout_s": int(settings.QINGLONG_SESSION_TIMEOUT_S),
                 "lease_ttl_s": int(settings.QINGLONG_DISPATCH["lease_ttl_s"]),
             },
             status=status.HTTP_201_CREATED,

@@ -49,7 +49,9 @@ class FakeControlPlane:
     recorded in `calls` in arrival order.
     """
 
-    def __init__(self, *, heartbeat_interval_s: float = 0.05) -> None:
+    def __init__(
+        self, *, heartbeat_interval_s: float = 0.05, session_timeout_s: float = 30.0
+    ) -> None:
         self.lock = threading.Lock()
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
         self.offers: list[dict[str, Any]] = []
@@ -57,6 +59,9 @@ class FakeControlPlane:
         self.sessions = 0
         self.token = ""
         self.heartbeat_interval_s = heartbeat_interval_s
+        # As the real one: far longer than the outages these tests make (an
+        # agent fences its Session after this long without an accepted beat).
+        self.session_timeout_s = session_timeout_s
         self.stop_ids: list[str] = []
         self.cancel_ids: list[str] = []
         self.down = False  # every call: a transport error
@@ -90,6 +95,7 @@ class FakeControlPlane:
                     "generation": self.sessions,
                     "session_token": self.token,
                     "heartbeat_interval_s": self.heartbeat_interval_s,
+                    "session_timeout_s": self.session_timeout_s,
                 },
             )
         if token != self.token:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.conf import settings
 from django.test import Client
 
 from leases.models import LeaseState, RunLease
@@ -42,9 +43,11 @@ def test_open_session_returns_a_token_once_and_fences_the_previous_one(client: C
         "generation",
         "session_token",
         "heartbeat_interval_s",
+        "session_timeout_s",
         "lease_ttl_s",
     }
     assert data["generation"] == 1
+    assert data["session_timeout_s"] == settings.QINGLONG_SESSION_TIMEOUT_S
     second = post_json(client, f"{WORKER_API}/sessions", body, bearer(credential))
     assert second.json()["generation"] == 2
     old = post_json(client, f"{WORKER_API}/heartbeat", {}, bearer(data["session_token"]))
