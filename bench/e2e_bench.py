@@ -611,15 +611,24 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         procs.check_alive()
         time.sleep(args.check_interval)
     seconds = time.perf_counter() - started
-    log(f"  {args.runs / seconds:.1f} Runs/s; stopping the processes")
+    log(f"  {args.runs / seconds:.1f} Runs/s")
+    idle: dict[str, Any] | None = None
+    if args.idle_s > 0:
+        time.sleep(1.1)  # let the backends' statistics reach pg_stat_database
+        # The pause toggle and this loop's own count polls are not the product's
+        # (the second just slept, idle, is counted in: a few pulls).
+        commits = _xact_commits(E2E_DB) - commits_before - polls - 2
+        idle = idle_window(args.idle_s, logdir, procs)
+    log("stopping the processes")
     agent_names = [f"agent{i}" for i in range(args.agents)]
     procs.stop(agent_names)
     procs.stop_all()
     for index in range(args.agents):
         (logdir / f"agent{index}.credential").unlink(missing_ok=True)
-    time.sleep(1.1)  # let the stopped backends' statistics reach pg_stat_database
-    # The pause toggle and this loop's own count polls are not the product's.
-    commits = _xact_commits(E2E_DB) - commits_before - polls - 2
+    if idle is None:
+        time.sleep(1.1)  # let the stopped backends' statistics reach pg_stat_database
+        # The pause toggle and this loop's own count polls are not the product's.
+        commits = _xact_commits(E2E_DB) - commits_before - polls - 2
 
     agent = _agent_events(logdir, args.agents)
     problems = verify(runs=args.runs, ids=ids, agent=agent)
@@ -628,6 +637,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
     return {
         "enqueue": enq,
         "enqueue_bulk": bulk,
+        "idle": idle,
         "runs": args.runs,
         "seconds": seconds,
         "per_s": args.runs / seconds,
@@ -639,6 +649,32 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         "agent_outcomes": agent["outcomes"],
         "phase_gaps": phase_gaps(),
         "problems": problems,
+    }
+
+
+def idle_window(seconds: float, logdir: Path, procs: Processes) -> dict[str, Any]:
+    """Everything running, nothing queued: what an idle box writes and logs."""
+    from dispatch.models import DispatchCycle
+
+    log(f"idle {seconds:.0f}s: every process up, nothing queued")
+    last_row = DispatchCycle.objects.order_by("-id").values_list("id", flat=True).first() or 0
+    sizes = {path: path.stat().st_size for path in logdir.glob("*.log")}
+    time.sleep(seconds)
+    procs.check_alive()
+    rows = DispatchCycle.objects.filter(id__gt=last_row).count()
+    info = cycle_lines = 0
+    for path, size in sizes.items():
+        with path.open("rb") as handle:
+            handle.seek(size)
+            for line in handle.read().decode(errors="replace").splitlines():
+                if '"level":"INFO"' in line:
+                    info += 1
+                    cycle_lines += '"event":"dispatch_cycle' in line
+    return {
+        "seconds": seconds,
+        "cycle_rows": rows,
+        "info_lines": info,
+        "cycle_info_lines": cycle_lines,
     }
 
 
@@ -886,6 +922,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--enqueue-threads", type=int, default=4, help="client threads enqueueing")
     add("--bulk-runs", type=int, default=5000, help="Runs enqueued with lists (then deleted)")
     add("--bulk-size", type=int, default=1000, help="Runs per bulk POST /api/v1/runs")
+    add("--idle-s", type=float, default=30.0, help="after the drain, idle this long (0: skip)")
     add("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"), help="LOG_LEVEL of servers")
     add("--enqueue-timeout", type=float, default=90.0, help="bound on the enqueue (s)")
     add("--drain-timeout", type=float, default=150.0, help="bound on the drain (s)")
@@ -992,6 +1029,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             for step, g in e2e_result["phase_gaps"].items()
         )
         out(f"           per Run, median between recorded transitions: {gaps}")
+        idle = e2e_result.get("idle")
+        if idle:
+            out(
+                f"  idle     {idle['seconds']:.0f}s with every process up and nothing queued "
+                f"(agents polling every {args.poll_interval}s): {idle['cycle_rows']} DispatchCycle "
+                f"rows, {idle['info_lines']} INFO lines ({idle['cycle_info_lines']} about cycles)"
+            )
         out(
             f"           DB commits per Run (all processes): "
             f"{e2e_result['db_commits_per_run']:.1f}; leases by source "
