@@ -267,6 +267,10 @@ class Agent:
             ),
             accepted_at=sent,
         )
+        # Before any offer of it: a restarted agent ACKs what it owes under it.
+        self.journal.record_session(
+            session_id=session.session_id, token=session.token, timeout_s=session.timeout_s
+        )
         self.session = session
         self._heartbeat_now.set()
         log("session_opened", session_id=session.session_id, generation=session.generation)
@@ -652,6 +656,82 @@ class Agent:
 
     # ------------------------------------------------------------- reconcile
 
+    def deliver_owed(self) -> None:
+        """At start, before a new Session fences the old ones: ACK the outcome
+        of every execution that ran to its end (exit code journaled) but whose
+        terminal ACK the previous agent process did not get accepted, under
+        the Session it ran in and with its lease token. If that Session is
+        still online (the agent came back within its timeout), the Attempt
+        ends with its real outcome instead of `lost` (and its Run is not run
+        again). Anything else — the Session gone (401), the lease ended (409),
+        no answer within the Session timeout — is left to the reconcile."""
+        # Past one Session timeout from now, an old Session is offline
+        # whatever it was when the previous process died.
+        deadlines: dict[str, float] = {}
+        for execution in self.journal.open_executions():
+            if (
+                execution.phase is not Phase.FINISHED
+                or execution.outcome is not Outcome.EXITED
+                or execution.exit_code is None
+                or not execution.lease_token
+            ):
+                continue
+            record = self.journal.session(execution.session_id)
+            if record is None:
+                continue  # a journal from before Session tokens were kept
+            deadline = deadlines.setdefault(record.session_id, time.monotonic() + record.timeout_s)
+            status = self._ack_owed(execution, record.token, deadline=deadline)
+            log("owed_ack", offer_id=execution.offer_id, status=status)
+            if status == "acked":
+                self.journal.mark_reported(execution.offer_id, report="acked")
+
+    def _ack_owed(self, execution: Execution, token: str, *, deadline: float) -> str:
+        """`running` (a repeat is a no-op), then the terminal ACK; each sent
+        again with backoff while unanswered, until `deadline`."""
+        code = execution.exit_code
+        base = {"lease_token": execution.lease_token, "spec_sha256": execution.spec_sha256}
+        final: dict[str, Any] = {
+            **base,
+            "phase": "succeeded" if code == 0 else "failed",
+            "exit_code": code,
+        }
+        if code != 0:
+            final["error_code"] = "exit_nonzero"
+        running = {**base, "phase": "running", "executor_handle": f"pid:{execution.pid}"}
+        path = f"/api/v1/worker/leases/{execution.offer_id}/ack"
+        answer = self._send_until(path, running, token=token, deadline=deadline)
+        if answer is None:
+            return "unanswered"
+        if answer.status == 401:
+            return "session_gone"
+        # A `running` refused (e.g. the Attempt already ended with this very
+        # outcome: the answer was lost) still lets the terminal ACK be tried:
+        # a repeat of the phase the Attempt is in is a no-op.
+        answer = self._send_until(path, final, token=token, deadline=deadline)
+        if answer is None:
+            return "unanswered"
+        if answer.status == 401:
+            return "session_gone"
+        return "acked" if answer.status == 200 else f"refused_{answer.status}"
+
+    def _send_until(
+        self, path: str, body: Mapping[str, Any], *, token: str, deadline: float
+    ) -> Response | None:
+        """One request, sent again with backoff until answered; None past `deadline`."""
+        backoff = self._backoff()
+        while True:
+            try:
+                response = self.transport.post(path, body, token=token)
+            except TransportError:
+                pass
+            else:
+                if not _unanswered(response.status):
+                    return response
+            delay = backoff.next()
+            if time.monotonic() + delay > deadline:
+                return None
+            self._pause(delay)
+
     def end_orphans(self) -> None:
         """At start, before any Session: end whatever an earlier agent process
         left running (TERM, then KILL after the grace), and record it."""
@@ -754,6 +834,7 @@ class Agent:
             except SessionLost as err:
                 self._session_lost(session, str(err))
                 continue
+            self.journal.forget_sessions(keep=session.session_id)
             return session
 
     # ------------------------------------------------------------------ loop
@@ -763,6 +844,7 @@ class Agent:
         self.journal.purge()
         self.end_orphans()
         try:
+            self.deliver_owed()
             session = self._connect()
         except _Stopping:
             self._closed.set()

@@ -15,8 +15,11 @@ pid later. `finished` holds the outcome; `reported` means the control plane has
 it (terminal ACK accepted, a 409, or a reconcile answer).
 
 The lease token is a secret: it lives only in this file (0600, in a 0700
-directory) and is erased once the execution is reported. The journal is the
-agent's own; one agent holds it at a time (an exclusive lock on
+directory) and is erased once the execution is reported. So is the Session
+token (table `sessions`): a restarted agent ACKs the outcomes the previous
+process could not deliver under the Session they ran in, while that Session
+is still online; it is deleted once nothing of its Session is owed. The
+journal is the agent's own; one agent holds it at a time (an exclusive lock on
 `agent.lock` in the directory).
 
 SQLite in WAL mode with `synchronous=NORMAL`: a commit is in the WAL file (the
@@ -51,6 +54,7 @@ __all__ = [
     "OfferVerdict",
     "Outcome",
     "Phase",
+    "SessionRecord",
     "StateDirError",
     "default_state_dir",
 ]
@@ -78,8 +82,16 @@ CREATE TABLE IF NOT EXISTS executions (
     updated_at   REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS executions_open ON executions (phase, session_id);
+-- The Sessions offers came on: a restarted agent delivers the outcomes it owes
+-- under the Session they ran in, if that Session is still online.
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id   TEXT PRIMARY KEY,
+    token        TEXT NOT NULL,   -- secret: deleted once nothing of the Session is owed
+    timeout_s    REAL NOT NULL,   -- the Session timeout the control plane announced
+    opened_at    REAL NOT NULL
+);
 """
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
 
 
 class StateDirError(Exception):
@@ -113,6 +125,17 @@ class OfferVerdict(enum.Enum):
     NEW = "new"  # recorded now: run it
     DUPLICATE = "duplicate"  # the same offer id and digest again: already handled
     CONFLICT = "conflict"  # the same offer id with another digest: refuse it
+
+
+@dataclass(frozen=True, repr=False)
+class SessionRecord:
+    session_id: str
+    token: str
+    timeout_s: float
+
+    def __repr__(self) -> str:
+        # The token is a secret: never in a repr, a log line or a traceback.
+        return f"SessionRecord(session_id={self.session_id!r})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -285,6 +308,27 @@ class Journal:
         """Settled: the token is erased (nothing will be sent under it again)."""
         self._update(offer_id, "phase = ?, report = ?, lease_token = ''", Phase.REPORTED, report)
 
+    def record_session(self, *, session_id: str, token: str, timeout_s: float) -> None:
+        """A Session was opened: written before any offer of it is recorded."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO sessions (session_id, token, timeout_s, opened_at)"
+                " VALUES (?, ?, ?, ?)",
+                (session_id, token, timeout_s, time.time()),
+            )
+
+    def forget_sessions(self, *, keep: str) -> int:
+        """Delete every Session but `keep` of which nothing is owed any more
+        (its token will never be needed again)."""
+        marks = ", ".join("?" for _ in OPEN_PHASES)
+        with self._transaction() as db:
+            cursor = db.execute(
+                "DELETE FROM sessions WHERE session_id != ? AND NOT EXISTS (SELECT 1 FROM"  # noqa: S608
+                f" executions e WHERE e.session_id = sessions.session_id AND e.phase IN ({marks}))",
+                (keep, *OPEN_PHASES),
+            )
+            return cursor.rowcount
+
     def purge(self, *, older_than_s: float = RETAIN_REPORTED_S) -> int:
         with self._transaction() as db:
             cursor = db.execute(
@@ -324,6 +368,16 @@ class Journal:
                 (offer_id,),
             ).fetchone()
         return self._execution(row) if row is not None else None
+
+    def session(self, session_id: str) -> SessionRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT session_id, token, timeout_s FROM sessions WHERE session_id = ?",
+                (session_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        return SessionRecord(str(row[0]), str(row[1]), float(row[2]))
 
     def open_executions(self, *, session_id: str | None = None) -> list[Execution]:
         """Executions not yet reported (of one Session, or of every Session)."""
