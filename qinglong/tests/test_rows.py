@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.db import connection
 from django.forms.models import model_to_dict
@@ -14,7 +16,7 @@ from workers.models import WorkerSession
 pytestmark = pytest.mark.django_db
 
 
-def _fetch(sql: str, params: list[object]) -> tuple[object, ...]:
+def _fetch(sql: str, params: list[Any]) -> tuple[Any, ...]:
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
