@@ -261,6 +261,10 @@ QINGLONG_PULL_WAIT_MAX_WAITERS = env_int(
 )
 QINGLONG_NOTIFY_REDIS_URL = env_str("QL_NOTIFY_REDIS_URL", "")
 QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, minimum=60)
+# DispatchCycle rows (dispatch.cycles.CycleRecorder): per process, the first
+# cycle of each outcome in a window of this many seconds is written at once,
+# its repeats as one summary row when the window closes.
+QINGLONG_CYCLE_SUMMARY_S = env_int("QL_CYCLE_SUMMARY_S", 60, minimum=1)
 
 # --- live output and webhooks (README "Live output", "Webhooks") -------------
 # At most this many bytes of output are kept per Attempt: the newest chunks;
@@ -285,10 +289,6 @@ QINGLONG_WEBHOOK_RETENTION_DAYS = env_int("QL_WEBHOOK_RETENTION_DAYS", 14, minim
 # Base URL for the admin links in webhook payloads (e.g. https://ql.example.com);
 # empty: the links are paths (/admin/runs/run/7/change/).
 QINGLONG_PUBLIC_URL = env_str("QL_PUBLIC_URL", "").rstrip("/")
-# DispatchCycle rows (dispatch.cycles.CycleRecorder): per process, the first
-# cycle of each outcome in a window of this many seconds is written at once,
-# its repeats as one summary row when the window closes.
-QINGLONG_CYCLE_SUMMARY_S = env_int("QL_CYCLE_SUMMARY_S", 60, minimum=1)
 
 # --- metrics (README "Metrics") ------------------------------------------------
 # /metrics answers a scraper presenting QL_METRICS_TOKEN as a Bearer token (only
