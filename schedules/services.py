@@ -331,11 +331,19 @@ def schedule_pause(
     return schedule
 
 
-def _unpause(schedule: Schedule, *, now: datetime, actor: str) -> None:
-    """Resume under the row lock: the fires of the pause become one `paused` row."""
+def _unpause(
+    schedule: Schedule, *, now: datetime, actor: str, ended: datetime | None = None
+) -> None:
+    """Resume under the row lock: the fires of the pause become one `paused` row.
+
+    `ended` is when the pause ended (default now): a resume-at the evaluator
+    reaches late ended at resume-at, so the fires after it were due, not
+    paused, and the caller evaluates them like any others (catch-up window).
+    """
     cron = schedule_cron(schedule)
+    until = now if ended is None else min(ended, now)
     first = schedule.next_fire_at
-    last = cron.previous_before(now)
+    last = cron.previous_before(until)
     if first is not None and last is not None and last >= first:
         who = schedule.paused_by or "an operator"
         why = f": {schedule.pause_reason}" if schedule.pause_reason else ""
@@ -356,7 +364,7 @@ def _unpause(schedule: Schedule, *, now: datetime, actor: str) -> None:
         paused_by="",
         pause_reason="",
         resume_at=None,
-        next_fire_at=cron.next_after(now - _TICK),
+        next_fire_at=cron.next_after(until - _TICK),
     )
 
 
@@ -533,7 +541,7 @@ def _evaluate_one(
             if schedule.resume_at is None or schedule.resume_at > now:
                 _save(schedule, now=now)
                 return state
-            _unpause(schedule, now=now, actor="scheduler:resume_at")
+            _unpause(schedule, now=now, actor="scheduler:resume_at", ended=schedule.resume_at)
         cron = schedule_cron(schedule)
         offset = _offset(schedule)
         active = [] if schedule.overlap_policy == OverlapPolicy.ALLOW else _active_runs(schedule)
