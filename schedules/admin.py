@@ -12,8 +12,9 @@ filter away.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
@@ -23,8 +24,9 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from qinglong.admin import ReadOnlyAdmin, action_reason, holds
+from schedules.cron import wall_to_instant
 from schedules.models import Schedule, ScheduleFire
-from schedules.selectors import local_time
+from schedules.selectors import covering, local_time
 from schedules.services import (
     schedule_cron,
     schedule_pause,
@@ -110,7 +112,13 @@ class ScheduleAdmin(ReadOnlyAdmin):
     @admin.display(description="ledger")
     def ledger(self, schedule: Schedule) -> SafeString:
         url = reverse("admin:schedules_schedulefire_changelist")
-        return format_html('<a href="{}?schedule__id__exact={}">every fire</a>', url, schedule.pk)
+        return format_html(
+            '<a href="{}?schedule__id__exact={}">every fire</a> — its search box takes a time '
+            "in {} (e.g. 2026-12-01 03:00) and shows the row that accounts for it",
+            url,
+            schedule.pk,
+            schedule.timezone,
+        )
 
     def has_pause_schedule_permission(self, request: HttpRequest) -> bool:
         return holds(request, "schedules.pause_schedule")
@@ -161,6 +169,12 @@ class ScheduleFireAdmin(ReadOnlyAdmin):
     list_filter = ("outcome", "manual")
     list_select_related = ("schedule",)
     search_fields = ("schedule__name",)
+    search_help_text = (
+        "A schedule name, or a time — 2026-12-01 03:00 (in the schedule's time zone when "
+        "the ledger shows one schedule, else UTC) or with an offset (…T03:00:00+01:00, …Z): "
+        "the row that accounts for that instant (its fire, or the missed/paused stretch "
+        "covering it)."
+    )
     readonly_fields = (
         "schedule",
         "fire_at",
@@ -194,3 +208,32 @@ class ScheduleFireAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request: HttpRequest) -> Any:
         return super().get_queryset(request).select_related("schedule")
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[ScheduleFire], search_term: str
+    ) -> tuple[QuerySet[ScheduleFire], bool]:
+        """A time searches the ledger by instant ("why didn't it run at 03:00?")."""
+        instant = _search_instant(request, search_term)
+        if instant is None:
+            return super().get_search_results(request, queryset, search_term)
+        return queryset.filter(covering(instant)), False
+
+
+def _search_instant(request: HttpRequest, term: str) -> datetime | None:
+    """The instant a search term names, or None when it is not a time."""
+    text = term.strip()
+    if not text[:4].isdigit() or len(text) > 40:
+        return None
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if value.tzinfo is not None:
+        return value.astimezone(UTC)
+    zone = "UTC"
+    schedule_id = request.GET.get("schedule__id__exact", "")
+    if schedule_id.isdigit():
+        found = Schedule.objects.filter(pk=int(schedule_id)).values_list("timezone", flat=True)
+        zone = next(iter(found), "UTC")
+    # A local time's first occurrence, as the timetable reads it (schedules.cron).
+    return wall_to_instant(value, ZoneInfo(zone))

@@ -105,6 +105,14 @@ def parse_fire_cursor(cursor: str) -> tuple[datetime, int]:
     return _EPOCH + timedelta(microseconds=int(micros)), int(pk)
 
 
+def covering(at: datetime) -> Q:
+    """The ledger rows that account for the instant `at`: a fire at it, or the
+    missed/paused stretch (`fire_at` … `last_fire_at`) that covers it. Every
+    fire time of a Schedule's timetable matches exactly one of its rows
+    (schedules/tests/test_ledger_accounting.py)."""
+    return Q(fire_at__lte=at) & (Q(fire_at=at) | Q(last_fire_at__gte=at))
+
+
 def fire_page(
     *,
     schedule: Schedule,
@@ -120,7 +128,7 @@ def fire_page(
     if outcome is not None:
         qs = qs.filter(outcome=outcome)
     if at is not None:
-        qs = qs.filter(fire_at__lte=at).filter(Q(fire_at=at) | Q(last_fire_at__gte=at))
+        qs = qs.filter(covering(at))
     if cursor is not None:
         fire_at, pk = parse_fire_cursor(cursor)
         qs = qs.filter(Q(fire_at__lt=fire_at) | Q(fire_at=fire_at, id__lt=pk))

@@ -81,7 +81,57 @@ def test_pause_and_resume_actions_carry_the_note(admin_client: Client) -> None:
     assert ScheduleFire.objects.get(schedule=schedule, manual=True).run is not None
     logged = list(LogEntry.objects.values_list("change_message", flat=True))
     assert any("reason: disk full" in message for message in logged)
+    assert any("reason: fixed" in message for message in logged)
     assert any("reason: backfill" in message for message in logged)
+    # Who: each entry names the admin user who acted.
+    assert set(LogEntry.objects.values_list("user__username", flat=True)) == {"admin"}
+
+
+def test_the_ledger_search_finds_the_row_that_accounts_for_a_time(admin_client: Client) -> None:
+    """ "Why didn't it run at 12:30?" from the Schedule's page: its ledger link, then
+    the time typed into the search box (in the Schedule's zone, or with an offset)."""
+    schedule = make_schedule(cron="*/5 * * * *", timezone="America/New_York", catchup_window_s=0)
+    other = make_schedule(cron="*/5 * * * *", catchup_window_s=0)
+    schedules_evaluate(now=at(hours=1))  # both down for an hour: 12:05-12:55 UTC missed
+    page = admin_client.get(
+        reverse("admin:schedules_schedule_change", args=[schedule.pk])
+    ).content.decode()
+    ledger_url = reverse("admin:schedules_schedulefire_changelist")
+    link = f"{ledger_url}?schedule__id__exact={schedule.pk}"
+    assert f'href="{link}"' in page and "America/New_York" in page
+
+    def found(query: str) -> list[tuple[int, str]]:
+        response = admin_client.get(ledger_url, {"q": query, **dict_of(query_of(link))})
+        assert response.status_code == 200
+        return [(fire.schedule_id, fire.outcome) for fire in response.context["cl"].result_list]
+
+    def found_everywhere(query: str) -> list[tuple[int, str]]:
+        response = admin_client.get(ledger_url, {"q": query})
+        assert response.status_code == 200
+        return sorted(
+            (fire.schedule_id, fire.outcome) for fire in response.context["cl"].result_list
+        )
+
+    # 08:30 in New York is 12:30 UTC: inside the missed stretch.
+    assert found("2026-06-01 08:30") == [(schedule.pk, "missed")]
+    assert found("2026-06-01T12:30:00Z") == [(schedule.pk, "missed")]
+    assert found("2026-06-01T09:00:00-04:00") == [(schedule.pk, "enqueued")]
+    assert found("2026-06-01 07:00") == []  # before its first fire
+    # Without a Schedule chosen, a time without an offset is UTC.
+    assert found_everywhere("2026-06-01 12:30") == sorted(
+        [(schedule.pk, "missed"), (other.pk, "missed")]
+    )
+    # Anything else is an ordinary search by Schedule name.
+    assert found_everywhere(other.name) == [(other.pk, "enqueued"), (other.pk, "missed")]
+    assert found_everywhere("2026-99-99 nonsense") == []
+
+
+def query_of(url: str) -> str:
+    return url.split("?", 1)[1]
+
+
+def dict_of(query: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in query.split("&"))
 
 
 def test_the_command_lists_schedules_next_fires_and_recent_outcomes() -> None:
