@@ -17,7 +17,7 @@ tests that use them (`dispatch/tests/core/misbehaving.py`), on the `_page`,
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
@@ -25,6 +25,16 @@ from typing import Any, Final, TypeVar
 from dispatch.core import policy
 from dispatch.core.budget import HARD_CAPS, DispatchBudget
 from dispatch.core.errors import SpecError
+from dispatch.core.fairness import (
+    QueueGroup,
+    Rotation,
+    RowsWanted,
+    WalkStart,
+    candidate_key,
+    candidate_order,
+    fair_page,
+)
+from dispatch.core.placement import placement_score
 from dispatch.core.policy import MAX_DELIVERIES_REASON, UNDELIVERABLE_REASON
 from dispatch.core.ports import (
     Candidate,
@@ -191,6 +201,8 @@ class FakeStore:
         self._next = {"project": 1, "task": 10, "run": 100, "attempt": 1000, "worker": 1}
         self._next_lease = 5000
         self._next_session = 1
+        # The round-robin turn across Projects (a "process" of these ports).
+        self.rotation = Rotation()
 
     # -- ids --------------------------------------------------------------------
 
@@ -282,6 +294,19 @@ class FakeStore:
         attempt.version += 1
         self.runs[attempt.run_id].state = "running"
 
+    def live_leases(self, project_id: str, *, task_id: str | None = None) -> int:
+        """Active leases not past `expires_at` of the Project's (or the Task's) Runs:
+        the slots their `max_concurrent_runs` count (`leases.quota`)."""
+        now = self.clock.now()
+        return sum(
+            1
+            for lease in self.leases.values()
+            if lease.state == "active"
+            and policy.lease_is_live(lease.expires_at, now)
+            and self.runs[lease.run_id].project_id == project_id
+            and (task_id is None or self.runs[lease.run_id].task_id == task_id)
+        )
+
     def project_has_room(self, project_id: str) -> bool:
         """`max_concurrent_runs`: dispatching and running Runs hold a place."""
         limit = self.projects[project_id].max_concurrent_runs
@@ -291,6 +316,22 @@ class FakeStore:
             1
             for run in self.runs.values()
             if run.project_id == project_id and run.state in _QUOTA_RUN_STATES
+        )
+        return busy < limit
+
+    def task_has_room(self, run: FakeRun) -> bool:
+        """The pinned revision's `max_concurrent_runs`: live leases of the Task's Runs
+        hold a place (active and not past `expires_at`, as `leases.quota` counts)."""
+        limit = self.tasks[run.task_id].revisions[run.task_revision].policy.max_concurrent_runs
+        if not limit:
+            return True
+        now = self.clock.now()
+        busy = sum(
+            1
+            for lease in self.leases.values()
+            if lease.state == "active"
+            and policy.lease_is_live(lease.expires_at, now)
+            and self.runs[lease.run_id].task_id == run.task_id
         )
         return busy < limit
 
@@ -678,36 +719,116 @@ class FakeLeaseRecoverySource(_PagedSource):
         )
 
 
-def _candidate_key(row: Candidate) -> tuple[int, datetime, tuple[int, int, str]]:
-    return (-row.priority, row.queued_at, id_sort_key(row.attempt_id))
-
-
-def _encode_candidate(row: Candidate) -> str:
-    return json.dumps([row.priority, row.queued_at.isoformat(), row.attempt_id])
-
-
-def _decode_candidate(cursor: str) -> tuple[int, datetime, tuple[int, int, str]]:
-    priority, queued_at, attempt_id = json.loads(cursor)
-    return (-int(priority), datetime.fromisoformat(queued_at), id_sort_key(str(attempt_id)))
-
-
 class FakeCandidateSource(_PagedSource):
+    """Fair pages (`dispatch.core.fairness`) over the store's queue groups."""
+
     def candidate_page(
-        self, *, observed_at: datetime, cursor: str | None, limit: int
+        self,
+        *,
+        observed_at: datetime,
+        cursor: str | None,
+        limit: int,
+        scope: DispatchScope | None = None,
     ) -> Page[Candidate]:
         self.calls.append({"observed_at": observed_at, "cursor": cursor, "limit": limit})
         _check_limit(limit)
-        rows = sorted(self._candidates(observed_at), key=_candidate_key)
-        return self._page(
-            rows,
-            key=_candidate_key,
-            after=None if cursor is None else _decode_candidate(cursor),
-            encode=_encode_candidate,
-            cursor=cursor,
-            limit=limit,
-        )
+        reader = FakeQueueReader(self.store, observed_at=observed_at, scope=scope)
+        return fair_page(reader, cursor=cursor, limit=limit, rotation=self.store.rotation)
 
-    def _candidates(self, observed_at: datetime) -> Iterable[Candidate]:
+
+class FakeQueueReader:
+    """`QueueReader` over the store: what the ORM adapter's two statements read.
+
+    Groups are (Project, Task revision); ids compare as `id_sort_key`. With a
+    scope, a group is servable when its Project and Task are under their
+    limits (live leases) and a Worker in scope that takes claims and has a
+    free slot matches its placement.
+    """
+
+    def __init__(
+        self, store: FakeStore, *, observed_at: datetime, scope: DispatchScope | None
+    ) -> None:
+        self.store = store
+        self.observed_at = observed_at
+        self.scope = scope
+
+    def walk(self, *, start: WalkStart | None, cap: int) -> tuple[list[QueueGroup], bool]:
+        store = self.store
+        keys = sorted(
+            {
+                (run.project_id, _group_id(run))
+                for run in store.runs.values()
+                if run.state == "queued"
+            },
+            key=_group_order,
+        )
+        if start is not None:
+            position = (id_sort_key(start[0]), _after_all if start[1] is None else start[1])
+            after = [k for k in keys if _walk_key(k) > position]
+            keys = after + [k for k in keys if _walk_key(k) <= position]
+        groups = [self._group(project_id, group_id) for project_id, group_id in keys[:cap]]
+        return groups, len(keys) > cap
+
+    def _group(self, project_id: str, group_id: str) -> QueueGroup:
+        task_id, revision = group_id.split(":")
+        definition = self.store.tasks[task_id].revisions[int(revision)]
+        if self.scope is None:
+            return QueueGroup(project_id, group_id, task_id, servable=True)
+        project_limit = self.store.projects[project_id].max_concurrent_runs
+        task_limit = definition.policy.max_concurrent_runs
+        project_room = (
+            None if not project_limit else project_limit - self.store.live_leases(project_id)
+        )
+        task_room = (
+            None
+            if not task_limit
+            else task_limit - self.store.live_leases(project_id, task_id=task_id)
+        )
+        servable = (
+            (project_room is None or project_room > 0)
+            and (task_room is None or task_room > 0)
+            and self._placeable(definition)
+        )
+        return QueueGroup(project_id, group_id, task_id, servable, project_room, task_room)
+
+    def _placeable(self, definition: TaskDefinition) -> bool:
+        scope = self.scope
+        assert scope is not None
+        for worker in self.store.workers.values():
+            session = worker.session
+            if worker.admin_state != "active" or session is None or session.state != "online":
+                continue
+            ref = SessionRef(worker.worker_id, session.session_id, session.generation)
+            if scope.session is not None and scope.session != ref:
+                continue
+            if self.store.free_slots(worker.worker_id) <= 0:
+                continue
+            score = placement_score(
+                definition.placement, executor_types=worker.executor_types, labels=worker.labels
+            )
+            if score is not None:
+                return True
+        return False
+
+    def rows(self, wanted: Sequence[RowsWanted]) -> Mapping[str, Sequence[Candidate]]:
+        found: dict[str, list[Candidate]] = {}
+        for want in wanted:
+            after = None if want.after is None else candidate_order(want.after)
+            rows = sorted(
+                (
+                    candidate
+                    for candidate in self._candidates()
+                    if candidate.project_id == want.group.project_id
+                    and _candidate_group(candidate) == want.group.group_id
+                    and (after is None or candidate_order(candidate_key(candidate)) > after)
+                ),
+                key=lambda c: candidate_order(candidate_key(c)),
+            )
+            found[want.group.group_id] = rows[: want.limit]
+        return found
+
+    def _candidates(self) -> Iterable[Candidate]:
+        observed_at = self.observed_at
         for attempt in self.store.attempts.values():
             run = self.store.runs[attempt.run_id]
             if attempt.state != "pending" or run.state != "queued" or run.cancel_requested:
@@ -726,6 +847,26 @@ class FakeCandidateSource(_PagedSource):
                 attempt_version=attempt.version,
                 lease_generation=attempt.lease_generation,
             )
+
+
+# Sorts after every group id of a Project (`WalkStart` with no group).
+_after_all: Final = "\U0010ffff"
+
+
+def _group_id(run: FakeRun) -> str:
+    return f"{run.task_id}:{run.task_revision}"
+
+
+def _candidate_group(candidate: Candidate) -> str:
+    return f"{candidate.task_id}:{candidate.task_revision}"
+
+
+def _walk_key(key: tuple[str, str]) -> tuple[tuple[int, int, str], str]:
+    return (id_sort_key(key[0]), key[1])
+
+
+def _group_order(key: tuple[str, str]) -> tuple[tuple[int, int, str], str]:
+    return _walk_key(key)
 
 
 class FakeWorkerSnapshotSource(_PagedSource):
@@ -780,6 +921,10 @@ class FakePlanSource:
 
     def prepare(self, candidate: Candidate) -> DispatchPlan:
         self.calls.append(candidate)
+        attempt = self.store.attempts.get(candidate.attempt_id)
+        if attempt is not None and attempt.state == "pending":
+            # A new candidate (not a recovered lease): its Project had its turn.
+            self.store.rotation.served(candidate.project_id)
         plan = self._plan(candidate)
         self.prepared.append(plan)
         return plan
@@ -851,7 +996,7 @@ class FakeClaimPort:
             or request.lease_generation != attempt.lease_generation + 1
         ):
             return lost
-        if not store.project_has_room(run.project_id):
+        if not store.project_has_room(run.project_id) or not store.task_has_room(run):
             return lost
         ref = SessionRef(request.worker_id, request.session_id, request.session_generation)
         worker = store.workers.get(request.worker_id)

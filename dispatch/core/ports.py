@@ -274,11 +274,27 @@ class LeaseRecoverySource(Protocol):
 
 class CandidateSource(Protocol):
     def candidate_page(
-        self, *, observed_at: datetime, cursor: str | None, limit: int
+        self,
+        *,
+        observed_at: datetime,
+        cursor: str | None,
+        limit: int,
+        scope: DispatchScope | None = None,
     ) -> Page[Candidate]:
         """Attempt pending, Run queued, not cancelled, and eligible at
-        `observed_at` (no `not_before`, or `not_before` <= observed_at); keyset
-        order priority DESC, queued_at, attempt_id; at most `limit`."""
+        `observed_at` (no `not_before`, or `not_before` <= observed_at); at
+        most `limit`, each Attempt once per cycle (a page may be empty and
+        still promise more).
+
+        Order (docs/adr/0012, `dispatch.core.fairness`): Projects round-robin,
+        starting after the Project the process served last; within a Project
+        priority DESC, queued_at, run id.
+
+        With a `scope` (the cycle always passes one) only what can be claimed
+        now: not past its Project's or its Task's `max_concurrent_runs` (live
+        leases, `leases.quota`), and its executor type and required labels
+        matched by a Session in scope that takes claims and has a free slot.
+        Without one (tools, tests) every queued Run, in the same order."""
         ...
 
 
@@ -305,7 +321,10 @@ class ClaimPort(Protocol):
            the Attempt is that Run's, pending, at `expected_version`, with
            `lease_generation` = its last generation + 1;
         2. ATTEMPT_LOST when the Run's Project has a `max_concurrent_runs`
-           quota and that many of its Runs are dispatching or running;
+           quota and that many of its Runs are dispatching or running, or the
+           Run's pinned revision has a `max_concurrent_runs` limit and that many
+           live leases (active, not past `expires_at`) belong to Runs of its
+           Task;
         3. WORKER_UNAVAILABLE unless the Session is the Worker's current ONLINE
            Session at `session_generation` and the Worker is active;
         4. WORKER_UNAVAILABLE when this Session already has a lease with this

@@ -62,8 +62,17 @@ class StoreBuilder(Protocol):
 
     def ports(self) -> DispatchPorts: ...
     def now(self) -> datetime: ...
-    def add_task(self, *, executor_type: str = "process", max_concurrent_runs: int = 0) -> str:
-        """A Task in a Project of its own (`max_concurrent_runs` 0: no quota)."""
+    def add_task(
+        self,
+        *,
+        executor_type: str = "process",
+        max_concurrent_runs: int = 0,
+        task_limit: int = 0,
+        beside: str | None = None,
+    ) -> str:
+        """A Task in a Project of its own, or in the Project of Task `beside`
+        (`max_concurrent_runs`: the new Project's quota; `task_limit`: the Task
+        revision's `max_concurrent_runs`; 0: none)."""
         ...
 
     def edit_task(self, task: str) -> None:
@@ -203,9 +212,19 @@ class FakeStoreBuilder:
     def now(self) -> datetime:
         return self.store.clock.now()
 
-    def add_task(self, *, executor_type: str = "process", max_concurrent_runs: int = 0) -> str:
+    def add_task(
+        self,
+        *,
+        executor_type: str = "process",
+        max_concurrent_runs: int = 0,
+        task_limit: int = 0,
+        beside: str | None = None,
+    ) -> str:
         _, task_id, _ = self.store.add_task(
-            definition=testing.definition(executor_type=executor_type),
+            definition=testing.definition(
+                executor_type=executor_type, max_concurrent_runs=task_limit
+            ),
+            project_id=None if beside is None else self.store.tasks[beside].project_id,
             max_concurrent_runs=max_concurrent_runs,
         )
         return task_id
@@ -276,13 +295,26 @@ class OrmStoreBuilder:
     def now(self) -> datetime:
         return db_now()
 
-    def add_task(self, *, executor_type: str = "process", max_concurrent_runs: int = 0) -> str:
-        project = project_create(
-            slug=f"contract-{uuid.uuid4().hex[:12]}",
-            name="Contract project",
-            max_concurrent_runs=max_concurrent_runs,
+    def add_task(
+        self,
+        *,
+        executor_type: str = "process",
+        max_concurrent_runs: int = 0,
+        task_limit: int = 0,
+        beside: str | None = None,
+    ) -> str:
+        if beside is None:
+            project = project_create(
+                slug=f"contract-{uuid.uuid4().hex[:12]}",
+                name="Contract project",
+                max_concurrent_runs=max_concurrent_runs,
+            )
+        else:
+            project = Task.objects.get(pk=int(beside)).project
+        task = testing.make_task(
+            project, executor_type=executor_type, max_concurrent_runs=task_limit
         )
-        return str(testing.make_task(project, executor_type=executor_type).pk)
+        return str(task.pk)
 
     def edit_task(self, task: str) -> None:
         task_update(

@@ -606,6 +606,47 @@ def test_a_project_quota_counts_dispatching_and_running_runs(store: StoreBuilder
     assert try_claim(store, candidate_of(store, first), ref).status is ATTEMPT_LOST
 
 
+def test_a_task_limit_counts_the_live_leases_of_its_task(store: StoreBuilder) -> None:
+    task = store.add_task(task_limit=1)
+    sibling = store.add_task(beside=task)  # same Project, no limit of its own
+    ref = store.add_worker(slots=4)
+    first, second = queued(store, task, 2)
+    (free,) = queued(store, sibling)
+    first_claim = claim(store, first, ref)
+    # A free Worker slot and a Project without a quota do not help.
+    assert try_claim(store, candidate_of(store, second), ref).status is ATTEMPT_LOST
+    assert store.attempt_state(second) == "pending"  # nothing changed
+    # The limit is the Task's, not its Project's.
+    assert try_claim(store, candidate_of(store, free), ref).status is WON
+    # The lease is the slot: revoked, the slot is free at once.
+    store.revoke(first_claim.lease_id)
+    second_claim = claim(store, second, ref)
+    # A started Attempt's lease holds the slot too.
+    store.start(second, second_claim)
+    assert try_claim(store, candidate_of(store, first), ref).status is ATTEMPT_LOST
+
+
+def test_the_task_limit_is_the_pinned_revisions(store: StoreBuilder) -> None:
+    task = store.add_task(task_limit=1)
+    ref = store.add_worker(slots=4)
+    first, pinned = queued(store, task, 2)
+    store.edit_task(task)  # revision 2: no limit
+    (later,) = queued(store, task)
+    claim(store, first, ref)
+    assert try_claim(store, candidate_of(store, pinned), ref).status is ATTEMPT_LOST
+    assert try_claim(store, candidate_of(store, later), ref).status is WON
+
+
+def test_the_task_limit_answers_before_session_checks(store: StoreBuilder) -> None:
+    task = store.add_task(task_limit=1)
+    ref = store.add_worker()
+    other = store.add_worker()
+    first, second = queued(store, task, 2)
+    claim(store, first, other)
+    store.set_session_state(ref.worker_id, "offline")
+    assert try_claim(store, candidate_of(store, second), ref).status is ATTEMPT_LOST
+
+
 def test_one_pull_id_carries_one_token_per_session(store: StoreBuilder) -> None:
     task = store.add_task()
     ref = store.add_worker(slots=4)

@@ -10,9 +10,15 @@ from datetime import UTC, datetime
 
 import pytest
 
-from dispatch.core.fakes import DEFAULT_NOW, FakeCandidateSource, FakeClock, FakeStore
-from dispatch.core.ports import DispatchScope
-from dispatch.tests.core._builders import enqueue, run
+from dispatch.core.fakes import (
+    DEFAULT_NOW,
+    FakeCandidateSource,
+    FakeClaimPort,
+    FakeClock,
+    FakeStore,
+)
+from dispatch.core.ports import NEW_CLAIM, ClaimRequest, ClaimStatus, DispatchScope, SessionRef
+from dispatch.tests.core._builders import definition, enqueue, run
 
 
 def test_fake_clock_moves_only_when_told() -> None:
@@ -46,3 +52,40 @@ def test_fakes_refuse_a_limit_outside_the_hard_cap_like_the_orm(limit: int) -> N
         FakeCandidateSource(FakeStore()).candidate_page(
             observed_at=DEFAULT_NOW, cursor=None, limit=limit
         )
+
+
+def _claim(store: FakeStore, attempt_id: str, ref: SessionRef, *, ttl_s: int) -> str:
+    attempt = store.attempts[attempt_id]
+    request = ClaimRequest(
+        attempt_id=attempt_id,
+        run_id=attempt.run_id,
+        expected_version=attempt.version,
+        lease_generation=attempt.lease_generation + 1,
+        worker_id=ref.worker_id,
+        session_id=ref.session_id,
+        session_generation=ref.session_generation,
+        offer_id=f"offer-{attempt_id}-{attempt.lease_generation + 1}",
+        token_digest="0" * 64,
+        spec_sha256="0" * 64,
+        placement_score=0,
+        source=NEW_CLAIM,
+        pull_id=None,
+        lease_ttl_s=ttl_s,
+        skip_locked=False,
+    )
+    return str(FakeClaimPort(store).claim(request).status)
+
+
+def test_an_expired_lease_frees_its_task_slot_before_any_sweep() -> None:
+    """The fake counts a Task's slots from live leases, like `leases.quota`
+    (the ORM side: leases/tests/test_task_quota.py)."""
+    store = FakeStore()
+    ref = store.add_worker(slots=4)
+    _, task_id, _ = store.add_task(definition=definition(max_concurrent_runs=1))
+    _, first = store.add_run(task_id=task_id)
+    _, second = store.add_run(task_id=task_id)
+    assert _claim(store, first, ref, ttl_s=10) == ClaimStatus.WON
+    assert _claim(store, second, ref, ttl_s=10) == ClaimStatus.ATTEMPT_LOST
+    store.clock.advance(10)  # at expires_at the lease is no longer live
+    assert [lease.state for lease in store.leases.values()] == ["active"]  # not swept
+    assert _claim(store, second, ref, ttl_s=10) == ClaimStatus.WON
