@@ -28,6 +28,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -341,6 +342,64 @@ def agent_argv(
         "--credential-file", str(credential), "--state-dir", str(state_dir),
         "--workdir", str(workdir), *extra,
     ]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class FaultWindows:
+    """When the soak injects faults. `calm()` is false during a fault and for
+    `settle_s` after it (the cluster is recovering): the Watch's stranded
+    check samples only outside these windows."""
+
+    def __init__(self, settle_s: float) -> None:
+        self.settle_s = settle_s
+        self._until = 0.0
+
+    def calm(self) -> bool:
+        return time.monotonic() > self._until
+
+    def inject(self, what: str, action: Callable[[], object]) -> None:
+        self._until = float("inf")
+        log(what)
+        try:
+            action()
+        finally:
+            self._until = time.monotonic() + self.settle_s
+
+
+def sample_for(watch: Watch, seconds: float, *, every: float = 0.5) -> None:
+    """Let the soak run `seconds`, sampling the Watch all along."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        watch.sample()
+        time.sleep(every)
+
+
+def drain(run_ids: Iterable[int], watch: Watch, *, timeout: float) -> bool:
+    """Sample until every Run is terminal (True) or `timeout` has passed."""
+    from runs.models import Run, RunState
+
+    pending = Run.objects.filter(pk__in=list(run_ids)).exclude(
+        state__in=(RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
+    )
+    deadline = time.monotonic() + timeout
+    while pending.exists():
+        if time.monotonic() > deadline:
+            return False
+        sample_for(watch, 1)
+    return True
+
+
+def undeliverable(run_ids: Iterable[int]) -> list[str]:
+    """No Run of the soak may fail `undeliverable` (finding 2)."""
+    from runs.models import Attempt
+
+    found = Attempt.objects.filter(run_id__in=list(run_ids), error_code="undeliverable").count()
+    return [f"{found} Attempts undeliverable"] if found else []
 
 
 # ----------------------------------------------------------------- the watch
