@@ -107,6 +107,17 @@ def test_retry_on_worker_lost_retries_lost_workers_but_not_failures() -> None:
     assert nxt.not_before_reason == WaitReason.LOST_EXECUTION_GRACE
 
 
+def test_retry_on_both_retries_failures_and_lost_workers_with_the_backoff() -> None:
+    failed = make_run(max_attempts=2, retry_on="both", retry_backoff_s=30)
+    nxt = _fail(failed)
+    assert failed.state == RunState.QUEUED and nxt.number == 2
+    assert nxt.not_before_reason == WaitReason.RETRY_BACKOFF
+    lost = make_run(max_attempts=2, retry_on="both")
+    _lose(lost)
+    assert lost.state == RunState.QUEUED
+    assert Attempt.objects.get(run=lost, number=2).state == AttemptState.PENDING
+
+
 def test_the_later_of_grace_and_backoff_holds_a_lost_retry() -> None:
     run = make_run(max_attempts=2, retry_backoff_s=86_400, retry_backoff_max_s=86_400)
     before = db_now()
