@@ -125,6 +125,43 @@ def test_bad_input_is_a_clear_400_that_changes_nothing(
         assert rows() == before
 
 
+def test_bad_operator_calls_are_a_400_or_404_that_change_nothing(
+    client: Client, task: Task, op
+) -> None:
+    schedule = create(client, task, op, cron="* * * * *", timezone="UTC").json()
+    path = f"{API}/schedules/{schedule['id']}"
+    before = rows()
+    calls = [
+        ("post", f"{path}/pause", {"reason": "r", "resume_at": "2000-01-01T00:00:00Z"}, 400),
+        ("post", f"{path}/pause", {"reason": "x" * 201}, 400),
+        ("post", f"{path}/pause", {"reason": "r", "resume_at": "tomorrow"}, 400),
+        ("post", f"{path}/pause", {"reason": "r", "surprise": 1}, 400),
+        ("post", f"{path}/resume", {"surprise": 1}, 400),
+        ("post", f"{path}/run", {"surprise": 1}, 400),
+        ("patch", path, {"timezone": "Europe/Atlantis"}, 400),
+        ("patch", path, {"catchup_window_s": 10**9}, 400),
+        ("patch", path, [1], 400),
+        ("patch", f"{API}/schedules/999999", {"priority": 1}, 404),
+        ("post", f"{API}/schedules/999999/pause", {"reason": "r"}, 404),
+        ("post", f"{API}/schedules/999999/run", {}, 404),
+        ("delete", f"{API}/schedules/999999", None, 404),
+    ]
+    for method, url, body, expected in calls:
+        if method == "delete":
+            response = client.delete(url, **op)
+        else:
+            response = getattr(client, method)(
+                url, data=json.dumps(body), content_type="application/json", **op
+            )
+        assert response.status_code == expected, (method, url, body, response.content)
+        assert set(response.json()) == {"error"}, response.content  # the one envelope
+        assert rows() == before, (method, url, body)
+    for query in ("at=yesterday", "outcome=bogus", "limit=0", "cursor=x", "at=1&at=2"):
+        response = client.get(f"{path}/fires?{query}", **op)
+        assert response.status_code == 400, query
+        assert set(response.json()) == {"error"}
+
+
 def test_a_non_object_body_and_missing_task_fields(client: Client, task: Task, op) -> None:
     assert post_json(client, f"{API}/schedules", [1], op).status_code == 400
     response = post_json(client, f"{API}/schedules", {"cron": "* * * * *"}, op)
