@@ -4,7 +4,9 @@ the Celery task and the `run_dispatcher` hook."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from django.contrib.admin.models import LogEntry
@@ -190,3 +192,16 @@ def test_seed_demo_creates_a_schedule_every_ten_seconds_once(settings) -> None:
     demo = Schedule.objects.get(name="every-10s")
     assert (demo.cron, demo.timezone, demo.task.name) == ("*/10 * * * * *", "UTC", "hello")
     assert demo.next_fire_at is not None and demo.next_fire_at.second % 10 == 0
+    # It really fires: the loop ./scripts/dev starts (run_dispatcher) evaluates it
+    # before each cycle; here one step at its next two fire times.
+    first = demo.next_fire_at
+    schedules_evaluate(now=first)
+    schedules_evaluate(now=first + timedelta(seconds=10))
+    fires = list(ScheduleFire.objects.filter(schedule=demo).order_by("fire_at"))
+    assert [(f.fire_at, f.outcome) for f in fires] == [
+        (first, "enqueued"),
+        (first + timedelta(seconds=10), "skipped_overlap"),  # its first Run is still queued
+    ]
+    assert fires[0].run is not None and fires[0].run.task == demo.task
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "dev").read_text()
+    assert "manage.py seed_demo" in script and "manage.py run_dispatcher" in script
