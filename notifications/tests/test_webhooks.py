@@ -16,7 +16,7 @@ from django.db import transaction
 from django.test import Client
 from django.utils import timezone
 
-from dispatch.sweeps import sweep_stale_sessions
+from dispatch.sweeps import sweep_stale_sessions, sweep_timed_out_attempts
 from leases.end import run_cancel
 from notifications import delivery as delivery_module
 from notifications.delivery import (
@@ -45,7 +45,7 @@ from qinglong.testing import (
     make_worker,
     open_session,
 )
-from runs.models import Project
+from runs.models import Attempt, Project
 from runs.services import run_enqueue, task_create
 from workers.models import WorkerSession
 from workers.tests.api_helpers import WorkerClient
@@ -166,8 +166,11 @@ def test_each_subscription_gets_only_its_events_and_its_projects(client, receive
     )
     run, _ = run_to_the_end(client, project, "succeeded", exit_code=0)
     deliver_all()
+    deliver_all()  # nothing is sent twice
     assert receiver.events() == ["run.succeeded"]
+    assert receiver.received[0].signature_ok
     body = receiver.received[0].json
+    assert (body["run"]["id"], body["run"]["state"]) == (str(run.pk), "succeeded")
     assert body["subscription"]["name"] == "good-news"
     assert body["run"]["admin_url"] == f"https://ql.example.com/admin/runs/run/{run.pk}/change/"
 
@@ -177,7 +180,9 @@ def test_a_run_whose_last_attempt_timed_out_is_run_timed_out(client, receiver):
     subscribe(receiver, project, ALL_RUN_EVENTS)
     run_to_the_end(client, project, "failed", exit_code=-15, error_code="timeout")
     deliver_all()
+    deliver_all()
     assert receiver.events() == ["run.timed_out"]
+    assert receiver.received[0].signature_ok
     assert receiver.received[0].json["run"]["attempt"]["error_code"] == "timeout"
 
 
@@ -212,7 +217,9 @@ def test_a_stale_worker_going_offline_is_reported_once_to_every_project(receiver
     assert sweep_stale_sessions().applied == 1
     assert sweep_stale_sessions().applied == 0
     deliver_all()
+    deliver_all()
     assert receiver.events() == ["worker.offline"]
+    assert receiver.received[0].signature_ok
     body = receiver.received[0].json
     assert body["worker"] == {
         "id": str(worker.pk),
@@ -220,6 +227,66 @@ def test_a_stale_worker_going_offline_is_reported_once_to_every_project(receiver
         "admin_url": f"/admin/workers/worker/{worker.pk}/change/",
     }
     assert body["session"] == {"id": str(session.session_id), "generation": 1, "state": "offline"}
+
+
+def _silent(session: WorkerSession) -> None:
+    WorkerSession.objects.filter(pk=session.pk).update(
+        heartbeat_at=timezone.now() - timedelta(hours=1)
+    )
+
+
+def test_each_time_a_worker_goes_offline_is_one_delivery_and_a_restart_is_none(receiver):
+    subscribe(receiver, make_project("a"), ["worker.offline"])
+    worker, _ = make_worker("edge-8")
+    open_session(worker)
+    # The agent restarts: its first Session is replaced, which is no offline.
+    second = open_session(worker).session
+    _silent(second)
+    assert sweep_stale_sessions().applied == 1
+    # It comes back and goes silent again: a second change, a second delivery.
+    third = open_session(worker).session
+    _silent(third)
+    assert sweep_stale_sessions().applied == 1
+    assert sweep_stale_sessions().applied == 0
+    deliver_all()
+    deliver_all()
+    assert receiver.events() == ["worker.offline", "worker.offline"]
+    assert all(r.signature_ok for r in receiver.received)
+    assert sorted(r.json["session"]["generation"] for r in receiver.received) == [2, 3]
+    assert len({r.headers["X-Qinglong-Delivery"] for r in receiver.received}) == 2
+
+
+def test_a_run_the_control_plane_timed_out_is_one_run_timed_out(client, receiver):
+    """The timeout sweep (issue 13) ends the Run with no Worker ACK: one signed delivery."""
+    project = make_project()
+    subscribe(receiver, project, ALL_RUN_EVENTS)
+    task = task_create(
+        project=project, name="slow", definition=canary_definition(max_attempts=1, timeout_s=5)
+    )
+    run = run_enqueue(task=task)
+    worker, _ = make_worker(slots=1)
+    wc = WorkerClient.open(client, worker=worker)
+    response, _, token = wc.pull()
+    [offer] = response.json()["offers"]
+    assert wc.ack(offer, "starting", token).status_code == 200
+    assert wc.ack(offer, "running", token, executor_handle="pid:7").status_code == 200
+    # Past its deadline and the margin: the sweep ends it, agent or no agent.
+    Attempt.objects.filter(run=run).update(deadline_at=timezone.now() - timedelta(hours=1))
+    assert sweep_timed_out_attempts().applied == 1
+    assert sweep_timed_out_attempts().applied == 0
+    # The Worker's late terminal ACK changes nothing more (a repeat of the
+    # phase the Attempt is in is a no-op): still one state change.
+    wc.ack(offer, "failed", token, exit_code=-15)
+    run.refresh_from_db()
+    assert run.state == "failed"
+    assert Attempt.objects.get(run=run).error_code == "timed_out"
+    deliver_all()
+    deliver_all()
+    assert receiver.events() == ["run.timed_out"]
+    [got] = receiver.received
+    assert got.signature_ok
+    assert got.json["run"]["id"] == str(run.pk)
+    assert got.json["run"]["attempt"]["error_code"] == "timed_out"
 
 
 def test_deliveries_are_written_in_the_transaction_of_the_change(receiver):

@@ -98,6 +98,23 @@ def test_a_lost_compare_and_set_is_counted_by_operation(monkeypatch):
     assert counter("qinglong_lost_races_total", operation="lease_end") == before + 1
 
 
+def test_a_lost_cancel_is_counted_and_a_cancel_that_applies_is_not(monkeypatch):
+    from leases.end import run_cancel
+
+    run = make_run()
+
+    def lose(*args, **kwargs):
+        raise LostRace("another writer")
+
+    before = counter("qinglong_lost_races_total", operation="cancel")
+    with monkeypatch.context() as patch:
+        patch.setattr(lease_end_module, "run_transition", lose)
+        assert run_cancel(run=run, actor="test") is Outcome.LOST_RACE
+    assert counter("qinglong_lost_races_total", operation="cancel") == before + 1
+    assert run_cancel(run=run, actor="test") is Outcome.APPLIED
+    assert counter("qinglong_lost_races_total", operation="cancel") == before + 1
+
+
 # ------------------------------------------------------------ multi-process
 
 _CHILDREN = textwrap.dedent(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.db import transaction
 from django.test import Client, override_settings
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
@@ -156,6 +158,99 @@ def test_claims_by_outcome_are_counted_where_the_cycle_claims(token_scrape):
     assert value(parsed, "qinglong_claims", "qinglong_claims_total", outcome="won") == (
         won_before + 2
     )
+
+
+def _total(parsed: dict[str, list], family: str, sample: str, **labels: str) -> float:
+    """The sum of a sample over every label set matching `labels`."""
+    return sum(
+        item.value
+        for item in parsed.get(family, [])
+        if item.name == sample and all(item.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_every_counter_moves_in_the_parsed_scrape(token_scrape, monkeypatch, settings):
+    """Claims, lost races, expiries, re-deliveries, truncations by reason, the cycle
+    duration histogram and webhook failures: each event is read back from /metrics."""
+    from dispatch.tests.test_cycle_orm import budget, pull, session_scope
+    from leases import end as lease_end_module
+    from leases.end import lease_expire, lease_revoke
+    from leases.errors import LostRace, Outcome
+    from notifications.delivery import webhooks_deliver_due
+    from notifications.models import WebhookEvent
+    from notifications.services import event_emit, subscription_create
+    from notifications.tests.receiver import serve
+
+    wanted = [
+        ("qinglong_claims", "qinglong_claims_total", {"outcome": "won"}, 1),
+        (
+            "qinglong_cycle_truncations",
+            "qinglong_cycle_truncations_total",
+            {"reason": "claim_budget_exhausted"},
+            1,
+        ),
+        ("qinglong_redeliveries", "qinglong_redeliveries_total", {}, 1),
+        ("qinglong_cycle_duration_seconds", "qinglong_cycle_duration_seconds_count", {}, 2),
+        ("qinglong_lease_expiries", "qinglong_lease_expiries_total", {}, 1),
+        ("qinglong_lost_races", "qinglong_lost_races_total", {"operation": "lease_end"}, 1),
+        (
+            "qinglong_webhook_failures",
+            "qinglong_webhook_failures_total",
+            {"event": "run.failed"},
+            1,
+        ),
+    ]
+    before = families(token_scrape().content)
+
+    session = open_session(make_worker(slots=4)[0]).session
+    for _ in range(3):
+        make_run()
+    with budget(max_claim_attempts=1):
+        dispatch_cycle(scope=DispatchScope.global_())  # one claim, then the budget
+    # The Session's pull re-delivers the lease the global cycle claimed for it.
+    assert dispatch_cycle(scope=session_scope(session), pull=pull()).counts.recovered == 1
+    claimed = RunLease.objects.get()
+    RunLease.objects.filter(pk=claimed.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert lease_expire(claimed.pk) is Outcome.APPLIED
+    _, offer_id, _ = claim(pending_attempt(make_run()), session)
+
+    def lose(*args, **kwargs):
+        raise LostRace("another writer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lease_end_module, "lease_transition", lose)
+        lease = RunLease.objects.get(offer_id=offer_id)
+        assert lease_revoke(lease.pk, reason="operator_revoke") is Outcome.LOST_RACE
+    settings.QINGLONG_WEBHOOK_ALLOW_PRIVATE = True
+    receivers = serve()
+    receiver = next(receivers)
+    try:
+        receiver.answers = [500]
+        project = make_project()
+        subscription_create(project=project, name="ops", url=receiver.url, events=["run.failed"])
+        with transaction.atomic():
+            event_emit(
+                event=WebhookEvent.RUN_FAILED, project_id=project.pk, subject_key="k", data={}
+            )
+        assert webhooks_deliver_due().retrying == 1
+    finally:
+        next(receivers, None)
+
+    after = families(token_scrape().content)
+    moved = {
+        sample: _total(after, family, sample, **labels) - _total(before, family, sample, **labels)
+        for family, sample, labels, _ in wanted
+    }
+    assert moved == {sample: n for _, sample, _, n in wanted}
+    # The histogram is whole: cumulative buckets up to +Inf, which equals the count.
+    buckets = [s for s in after["qinglong_cycle_duration_seconds"] if s.name.endswith("_bucket")]
+    assert any(s.labels["le"] == "+Inf" for s in buckets)
+    assert _total(
+        after,
+        "qinglong_cycle_duration_seconds",
+        "qinglong_cycle_duration_seconds_bucket",
+        le="+Inf",
+    ) == _total(after, "qinglong_cycle_duration_seconds", "qinglong_cycle_duration_seconds_count")
 
 
 # --------------------------------------------------------------------- leaks

@@ -9,8 +9,10 @@ import pytest
 import time_machine
 from django.utils import timezone
 
-from notifications.models import WebhookDelivery, WebhookEvent
+from notifications.delivery import webhooks_deliver_due
+from notifications.models import DeliveryState, WebhookDelivery, WebhookEvent
 from notifications.services import subscription_create
+from notifications.tests.receiver import serve
 from qinglong.testing import CANARY_COMMAND, CANARY_ENV, canary_definition, make_project
 from runs.services import task_create
 from schedules.models import FireOutcome, ScheduleFire
@@ -88,3 +90,38 @@ def test_a_paused_stretch_is_not_reported_as_missed() -> None:
         schedules_evaluate(now=timezone.now())
     assert ScheduleFire.objects.filter(schedule=schedule, outcome=FireOutcome.PAUSED).exists()
     assert not WebhookDelivery.objects.exists()
+
+
+def test_a_receiver_verifies_the_signature_of_exactly_one_delivery_per_missed_stretch(
+    settings,
+) -> None:
+    settings.QINGLONG_WEBHOOK_ALLOW_PRIVATE = True
+    receivers = serve()
+    receiver = next(receivers)
+    try:
+        project = make_project()
+        task = task_create(project=project, name="nightly", definition=canary_definition())
+        _, receiver.secret = subscription_create(
+            project=project, name="ops", url=receiver.url, events=[WebhookEvent.SCHEDULE_MISSED]
+        )
+        with time_machine.travel(T0, tick=False) as clock:
+            schedule = make_schedule(
+                task, cron="*/5 * * * *", catchup_window_s=900, overlap_policy="allow", now=T0
+            )
+            clock.shift(timedelta(hours=2))  # down for two hours: one missed stretch
+            schedules_evaluate(now=timezone.now())
+            clock.shift(timedelta(minutes=1))
+            schedules_evaluate(now=timezone.now())  # nothing new is missed
+        # Sent at the real time (the signature's timestamp is checked against it).
+        while webhooks_deliver_due().examined:
+            pass
+        assert webhooks_deliver_due().examined == 0
+    finally:
+        next(receivers, None)
+    assert receiver.events() == ["schedule.missed"]
+    [got] = receiver.received
+    assert got.signature_ok
+    assert got.headers["X-Qinglong-Event"] == "schedule.missed"
+    assert got.json["schedule"]["id"] == str(schedule.pk)
+    assert WebhookDelivery.objects.get().state == DeliveryState.SUCCEEDED
+    assert CANARY_COMMAND.encode() not in got.body and CANARY_ENV.encode() not in got.body
