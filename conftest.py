@@ -37,10 +37,11 @@ def _fresh_cycle_recorder() -> object:
     """Each test starts as a process that just started would: a fresh
     DispatchCycle window (its first cycle of any outcome is a row of its own)
     and no TaskRevision read yet."""
-    from dispatch.adapters.orm import revisions_read  # Django is set up by now
+    from dispatch.adapters.orm import fair_rotation, revisions_read  # Django is set up by now
     from dispatch.cycles import cycle_recorder
 
     cycle_recorder.reset()
     revisions_read.clear()  # a test database may reuse a primary key
+    fair_rotation.reset()  # and the Projects' round-robin turn starts afresh
     yield
     cycle_recorder.reset()

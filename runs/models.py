@@ -182,6 +182,24 @@ class Run(models.Model):
                 name="run_project_active",
                 condition=Q(state__in=["dispatching", "running"]),
             ),
+            # The Task's Runs that may hold a live lease: its concurrency limit
+            # counts their leases (leases.quota, docs/adr/0012).
+            models.Index(
+                fields=["task", "state"],
+                name="run_task_active",
+                condition=Q(state__in=["dispatching", "running"]),
+            ),
+            # The fair candidate read (docs/adr/0012): one queue per Project and
+            # pinned revision, walked one probe per queue, each read in order.
+            models.Index(
+                "project_id",
+                "task_revision_id",
+                models.F("priority").desc(),
+                "queued_at",
+                "id",
+                name="run_queue_group",
+                condition=Q(state="queued"),
+            ),
             # The overview's throughput charts: Runs finished in a time window,
             # by end state (qinglong.console.selectors.runs_finished).
             models.Index(

@@ -22,10 +22,11 @@ from typing import Final
 
 from django.db.models import Count, F, IntegerField, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
-from django.utils.dateparse import parse_datetime
 
+from dispatch.adapters.queue import OrmQueueReader
 from dispatch.core.budget import HARD_CAPS
 from dispatch.core.errors import SpecError
+from dispatch.core.fairness import Rotation, fair_page
 from dispatch.core.placement import validate_placement
 from dispatch.core.policy import free_slots
 from dispatch.core.ports import (
@@ -53,8 +54,7 @@ __all__ = [
     "OrmLeaseRecoverySource",
     "OrmPlanSource",
     "OrmWorkerSnapshotSource",
-    "decode_candidate_cursor",
-    "encode_candidate_cursor",
+    "fair_rotation",
     "orm_ports",
     "revisions_read",
 ]
@@ -201,6 +201,10 @@ def _recoverable(lease: RunLease) -> RecoverableLease:
 # --------------------------------------------------------- one cycle's memo
 
 
+# The round-robin turn across Projects, kept for this process (docs/adr/0012).
+fair_rotation = Rotation()
+
+
 @dataclass
 class CycleMemo:
     """What one cycle's candidate reads saw, for its plans (issue #12).
@@ -214,6 +218,8 @@ class CycleMemo:
     """
 
     candidates: dict[str, tuple[Candidate, int]] = field(default_factory=dict)  # → revision pk
+    # Told of each candidate planned: its Project had its turn (docs/adr/0012).
+    rotation: Rotation = field(default_factory=lambda: fair_rotation)
 
 
 class _Revisions:
@@ -255,83 +261,33 @@ revisions_read = _Revisions()
 # ----------------------------------------------------------------- candidates
 
 
-def encode_candidate_cursor(priority: int, queued_at: datetime, attempt_id: int) -> str:
-    return _CURSOR_SEP.join((str(priority), queued_at.isoformat(), str(attempt_id)))
-
-
-def decode_candidate_cursor(cursor: str) -> tuple[int, datetime, int]:
-    parts = cursor.split(_CURSOR_SEP)
-    if len(parts) != 3:
-        raise ValueError("not a cursor of this source")
-    priority_text, queued_text, id_text = parts
-    queued_at = parse_datetime(queued_text)
-    if queued_at is None or queued_at.tzinfo is None:
-        raise ValueError("not a cursor of this source")
-    try:
-        return int(priority_text), queued_at, int(id_text)
-    except ValueError:
-        raise ValueError("not a cursor of this source") from None
-
-
 class OrmCandidateSource:
-    """Pending Attempts of queued Runs in keyset order (docs/adr/0001 step 2)."""
+    """Fair pages of candidates (docs/adr/0001 step 2, docs/adr/0012).
+
+    Two statements per page, whatever the backlog (`dispatch.adapters.queue`):
+    the walk over queue groups, which decides per group whether it can be
+    served now, and the first Runs of the chosen groups.
+    """
 
     def __init__(self, memo: CycleMemo | None = None) -> None:
         self.memo = memo
 
     def candidate_page(
-        self, *, observed_at: datetime, cursor: str | None, limit: int
+        self,
+        *,
+        observed_at: datetime,
+        cursor: str | None,
+        limit: int,
+        scope: DispatchScope | None = None,
     ) -> Page[Candidate]:
         _check_limit(limit)
-        # The filter on Attempt.state matches the partial index
-        # `attempt_candidate_keyset` (priority DESC, queued_at, id) WHERE
-        # state='pending', so the scan is one index range, whatever the backlog.
-        # An Attempt held back (`not_before` later than observed_at: a lost
-        # execution's grace, an over-delivery backoff, docs/adr/0005) is a
-        # row filter on that same range: it is stepped over, never a second
-        # scan, and only a few such rows exist at a time (they are transient).
-        qs = Attempt.objects.filter(
-            Q(not_before__isnull=True) | Q(not_before__lte=observed_at),
-            state=AttemptState.PENDING,
-            run__state=RunState.QUEUED,
-            run__cancel_requested=False,
-        )
-        if cursor is not None:
-            priority, queued_at, attempt_id = decode_candidate_cursor(cursor)
-            # `priority <= p` bounds the index range; the OR picks the exact
-            # successor of the cursor in (priority DESC, queued_at, id) order.
-            qs = qs.filter(priority__lte=priority).filter(
-                Q(priority__lt=priority)
-                | Q(queued_at__gt=queued_at)
-                | Q(queued_at=queued_at, pk__gt=attempt_id)
-            )
-        rows = list(
-            qs.select_related("run__task_revision")
-            .only(
-                "id",
-                "run_id",
-                "priority",
-                "queued_at",
-                "version",
-                "lease_generation",
-                "run__id",
-                "run__project_id",
-                "run__task_id",
-                "run__task_revision__revision",
-                "run__task_revision__executor_type",
-            )
-            .order_by("-priority", "queued_at", "pk")[: limit + 1]
-        )
-        page, more = rows[:limit], len(rows) > limit
-        items = tuple(_candidate(attempt) for attempt in page)
+        reader = OrmQueueReader(observed_at=observed_at, scope=scope)
+        rotation = fair_rotation if self.memo is None else self.memo.rotation
+        page = fair_page(reader, cursor=cursor, limit=limit, rotation=rotation)
         if self.memo is not None:
-            for attempt, item in zip(page, items, strict=True):
-                self.memo.candidates[item.attempt_id] = (item, attempt.run.task_revision_id)
-        next_cursor = None
-        if more:
-            last = page[-1]
-            next_cursor = encode_candidate_cursor(last.priority, last.queued_at, last.pk)
-        return Page(items, next_cursor)
+            for item in page.items:
+                self.memo.candidates[item.attempt_id] = (item, int(reader.revision_pk(item)))
+        return page
 
 
 def _candidate(attempt: Attempt) -> Candidate:
@@ -441,6 +397,8 @@ class OrmPlanSource:
         remembered = self._remembered(candidate)
         if remembered is not None:
             attempt, run, revision = remembered
+            assert self.memo is not None
+            self.memo.rotation.served(candidate.project_id)
         else:
             found = (
                 Attempt.objects.select_related("run__task_revision")

@@ -281,7 +281,7 @@ class _Cycle:
         observed_at = self.observed_at
         candidates = PageReader(
             lambda cursor, limit: self.ports.candidates.candidate_page(
-                observed_at=observed_at, cursor=cursor, limit=limit
+                observed_at=observed_at, cursor=cursor, limit=limit, scope=self.scope
             ),
             page_size=self.budget.candidate_page_size,
             max_pages=self.budget.candidate_max_pages,

@@ -16,7 +16,6 @@ tests that use them (`dispatch/tests/core/misbehaving.py`), on the `_page`,
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta

@@ -104,9 +104,13 @@ def test_no_candidate_reads_no_workers_plans_or_claims() -> None:
     with CaptureQueriesContext(connection) as queries:
         result = dispatch_cycle(scope=GLOBAL)
     assert (result.status, result.reason) == (CycleStatus.IDLE, CycleReason.NO_CANDIDATES)
-    assert read_from(queries, "workers_workersession") == []
-    # The one candidate page, and no plan (which would read an Attempt by id).
-    assert len(read_from(queries, "runs_attempt")) == 1
+    # The one candidate page is the queue walk (docs/adr/0012), which found no
+    # queue: it names the Sessions only to judge a queue it finds.
+    walks = [sql for sql in touched(queries, "runs_run") if sql.startswith("WITH RECURSIVE")]
+    assert len(walks) == 1
+    assert [sql for sql in read_from(queries, "workers_workersession") if sql not in walks] == []
+    # No Run was read, and no plan (which would read an Attempt by id).
+    assert read_from(queries, "runs_attempt") == []
     assert not any(sql.startswith("INSERT") for sql in touched(queries, "dispatch_runlease"))
     assert RunLease.objects.count() == 0
     assert result.counts.workers_seen == result.counts.plans_built == 0
@@ -458,6 +462,9 @@ def test_query_count_of_a_full_cluster_cycle_does_not_grow_with_the_backlog() ->
         cycle_recorder.reset()  # both cycles are written as rows of their own
         with CaptureQueriesContext(connection) as queries:
             result = dispatch_cycle(scope=GLOBAL)
-        assert (result.status, result.reason) == (CycleStatus.NO_MATCH, CycleReason.NO_FREE_SLOTS)
+        # Every matching Session is full: the candidate read serves nothing
+        # (docs/adr/0012), so the cycle reads no Worker and plans nothing.
+        assert (result.status, result.reason) == (CycleStatus.IDLE, CycleReason.NO_CANDIDATES)
+        assert result.counts.plans_built == 0
         counts.append(len(queries.captured_queries))
     assert counts[0] == counts[1]

@@ -43,6 +43,7 @@ __all__ = [
     "MisbehavingLeaseRecoverySource",
     "MisbehavingPlanSource",
     "MisbehavingWorkerSnapshotSource",
+    "UnfilteredCandidateSource",
 ]
 
 R = TypeVar("R")
@@ -128,6 +129,47 @@ class MisbehavingCandidateSource(_BrokenPaging, FakeCandidateSource):
         self._set_paging_knobs(
             duplicate_rows=duplicate_rows, stuck_cursor=stuck_cursor, oversize=oversize
         )
+
+    def candidate_page(
+        self,
+        *,
+        observed_at: datetime,
+        cursor: str | None,
+        limit: int,
+        scope: DispatchScope | None = None,
+    ) -> Page[Candidate]:
+        # The honest fair page (docs/adr/0012), then the knobs on top of it.
+        page = super().candidate_page(
+            observed_at=observed_at,
+            cursor=cursor,
+            limit=min(limit + 1, 64) if self.oversize else limit,
+            scope=scope,
+        )
+        items, next_cursor = list(page.items), page.next_cursor
+        if self.duplicate_rows and cursor is not None and self._last is not None:
+            # The classic off-by-one: the previous page's last row comes back.
+            items = [cast(Candidate, self._last), *items[: limit - 1]]
+        if self.stuck_cursor and cursor is not None and next_cursor is not None:
+            next_cursor = cursor
+        if items:
+            self._last = items[-1]
+        return Page(tuple(items), next_cursor)
+
+
+class UnfilteredCandidateSource(FakeCandidateSource):
+    """Every queued Run, servable now or not: the candidate read without its
+    serving filters (docs/adr/0012), so a test can show that the cycle's own
+    checks (placement, Workers, slots) still hold behind it."""
+
+    def candidate_page(
+        self,
+        *,
+        observed_at: datetime,
+        cursor: str | None,
+        limit: int,
+        scope: DispatchScope | None = None,
+    ) -> Page[Candidate]:
+        return super().candidate_page(observed_at=observed_at, cursor=cursor, limit=limit)
 
 
 class MisbehavingWorkerSnapshotSource(_BrokenPaging, FakeWorkerSnapshotSource):

@@ -44,6 +44,7 @@ from dispatch.tests.core.misbehaving import (
     MisbehavingLeaseRecoverySource,
     MisbehavingPlanSource,
     MisbehavingWorkerSnapshotSource,
+    UnfilteredCandidateSource,
 )
 
 PULL = PullCredential(pull_id="6f1f7a36-0000-4000-8000-000000000001", token="W" * 43)
@@ -71,6 +72,12 @@ def call_counts(ports: DispatchPorts) -> dict[str, int]:
         "plans": len(ports.plans.calls),  # type: ignore[attr-defined]
         "claims": len(ports.claims.calls),  # type: ignore[attr-defined]
     }
+
+
+def unfiltered(store: FakeStore) -> DispatchPorts:
+    """Ports whose candidate read does not skip what cannot be served now
+    (docs/adr/0012): the cycle's own checks behind it are what is tested."""
+    return fake_ports(store, candidates=UnfilteredCandidateSource(store))
 
 
 def claims_of(ports: DispatchPorts) -> list[ClaimRequest]:
@@ -217,7 +224,7 @@ def test_absent_placement_executor_type_is_required_of_workers() -> None:
     store = FakeStore()
     store.add_worker(executor_types=("docker",))
     enqueue(store)
-    ports = store.ports()
+    ports = unfiltered(store)
     result = run(ports)
     assert (result.status, result.reason) == (CycleStatus.NO_MATCH, CycleReason.NO_ELIGIBLE_WORKER)
     assert call_counts(ports)["claims"] == 0
@@ -505,7 +512,7 @@ def test_candidate_budget_exhausted_without_a_match_is_truncated_not_idle() -> N
     store = FakeStore()
     store.add_worker()
     enqueue(store, 3, placement={"required_labels": {"zone": "nowhere"}})
-    result = run(store.ports(), budget={"candidate_page_size": 1, "candidate_max_pages": 2})
+    result = run(unfiltered(store), budget={"candidate_page_size": 1, "candidate_max_pages": 2})
     assert (result.status, result.reason, result.truncated) == (
         CycleStatus.TRUNCATED,
         CycleReason.CANDIDATE_BUDGET_EXHAUSTED,
@@ -679,7 +686,7 @@ def test_results_without_a_claim_carry_no_offer() -> None:
     store = FakeStore()
     store.add_worker(executor_types=("docker",))
     enqueue(store)
-    result = run(store.ports())
+    result = run(unfiltered(store))
     assert result.status is CycleStatus.NO_MATCH
     assert result.offers == ()
     assert result.counts.offers == 0
@@ -916,7 +923,7 @@ def test_a_full_session_builds_no_plans() -> None:
     store.start_attempt(first.offers[0].attempt_id)  # its lease still holds the slot
     enqueue(store)
     me = store.session_ref(first.offers[0].worker_id)
-    ports = store.ports()
+    ports = unfiltered(store)
     result = run(ports, scope=DispatchScope.for_session(me), pull=PULL)
     assert (result.status, result.reason) == (CycleStatus.NO_MATCH, CycleReason.NO_FREE_SLOTS)
     assert call_counts(ports)["plans"] == 0
@@ -925,7 +932,7 @@ def test_a_full_session_builds_no_plans() -> None:
 def test_no_online_worker_is_no_match_without_plans() -> None:
     store = FakeStore()
     enqueue(store)
-    ports = store.ports()
+    ports = unfiltered(store)
     result = run(ports)
     assert (result.status, result.reason) == (CycleStatus.NO_MATCH, CycleReason.NO_WORKERS)
     assert call_counts(ports)["plans"] == 0

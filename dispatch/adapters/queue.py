@@ -1,0 +1,330 @@
+"""The fair candidate read over the database (docs/adr/0012, `dispatch.core.fairness`).
+
+`OrmQueueReader` is the `QueueReader` of the ORM adapter: two statements per
+candidate page, whatever the backlog.
+
+1. **The walk** (`walk`): a recursive skip scan over the partial index
+   `run_queue_group` (Run: project, task_revision, priority DESC, queued_at,
+   id WHERE state = 'queued'), one index probe per queue group (a Project and
+   a pinned revision), starting after a position and wrapping around, at most
+   `cap` + 1 groups. For each group, in the same statement and decided once
+   per group, never per Run: the room under its Project's and its Task's
+   `max_concurrent_runs` (live leases, counted as `leases.quota` counts them)
+   and whether a Session in scope that takes claims and has a free slot
+   matches its executor type and required labels (`servable_sessions_cte`,
+   `placement_matches`). The Sessions are read once per statement, in SQL;
+   nothing loads them.
+2. **The rows** (`rows`): for each chosen group, its first candidates after
+   this cycle's position in its Project, one `UNION ALL` branch per group,
+   each an ordered range of the same index with a LIMIT.
+
+The SQL is written per database vendor where JSON is involved (PostgreSQL
+`jsonb` containment; SQLite's `json_each`); everything else is the same text.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from django.db import connection
+from django.utils.dateparse import parse_datetime
+
+from dispatch.core.fairness import QueueGroup, RowsWanted, WalkStart
+from dispatch.core.ports import Candidate, DispatchScope
+from leases.models import LeaseState, RunLease
+from runs.models import Attempt, AttemptState, Project, Run, RunState, TaskRevision
+from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
+
+__all__ = [
+    "OrmQueueReader",
+    "placement_matches",
+    "project_busy_sql",
+    "servable_sessions_cte",
+    "task_busy_sql",
+]
+
+# Sorts after every revision id of a Project (a walk start "after the Project").
+_AFTER_ALL: Final = 2**62
+_BEFORE_ALL: Final = -1
+
+
+def _t(model: Any) -> str:
+    return str(connection.ops.quote_name(model._meta.db_table))
+
+
+def _dt(value: datetime) -> Any:
+    """A datetime as the backend stores it (SQLite: naive UTC text)."""
+    return connection.ops.adapt_datetimefield_value(value)
+
+
+def _from_db_datetime(value: Any) -> datetime:
+    if isinstance(value, datetime):
+        moment = value
+    else:
+        parsed = parse_datetime(str(value))
+        if parsed is None:
+            raise ValueError("not a datetime")
+        moment = parsed
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment
+
+
+# ------------------------------------------------------- shared SQL fragments
+
+
+def servable_sessions_cte(scope: DispatchScope) -> tuple[str, list[Any]]:
+    """`servable(executor_types, labels)`: the Sessions in scope that take claims
+    now and have a free slot (min(Session, Worker slots) minus active leases, as the
+    Worker snapshot counts). Returns the CTE body and its parameters."""
+    least = "LEAST" if connection.vendor == "postgresql" else "MIN"
+    sql = (
+        f"SELECT s.executor_types AS executor_types, s.labels AS labels "  # noqa: S608  (table names from model metadata)
+        f"FROM {_t(WorkerSession)} s JOIN {_t(Worker)} w ON w.id = s.worker_id "
+        "WHERE s.state = %s AND w.admin_state = %s "
+        f"AND (SELECT count(*) FROM {_t(RunLease)} l WHERE l.session_id = s.id AND l.state = %s) "
+        f"< {least}(s.slots, w.slots)"
+    )
+    params: list[Any] = [SessionState.ONLINE, WorkerAdminState.ACTIVE, LeaseState.ACTIVE]
+    if scope.session is not None:
+        ref = scope.session
+        try:
+            session_uuid = uuid.UUID(ref.session_id)
+        except ValueError:
+            session_uuid = None
+        if session_uuid is None or not ref.worker_id.isdigit():
+            return sql + " AND 1 = 0", params
+        field = WorkerSession._meta.get_field("session_id")
+        sql += " AND s.session_id = %s AND s.worker_id = %s AND s.generation = %s"
+        params += [
+            field.get_db_prep_value(session_uuid, connection),
+            int(ref.worker_id),
+            ref.session_generation,
+        ]
+    return sql, params
+
+
+def placement_matches(session: str, revision: str) -> str:
+    """SQL: the Session row `session` (executor_types, labels) takes the placement
+    of revision row `revision` (executor_type, placement): the executor type is
+    one of the Session's and every required label is one of its labels with the
+    same value — `dispatch.core.placement.placement_score` is not None."""
+    if connection.vendor == "postgresql":
+        return (
+            f"{session}.executor_types @> jsonb_build_array({revision}.executor_type) "
+            f"AND {session}.labels @> CASE WHEN jsonb_typeof({revision}.placement -> "
+            f"'required_labels') = 'object' THEN {revision}.placement -> 'required_labels' "
+            "ELSE '{}'::jsonb END"
+        )
+    return (
+        f"EXISTS (SELECT 1 FROM json_each({session}.executor_types) e "  # noqa: S608  (aliases, no values)
+        f"WHERE e.value = {revision}.executor_type) "
+        f"AND NOT EXISTS (SELECT 1 FROM json_each({revision}.placement, '$.required_labels') rl "
+        f"WHERE rl.key IS NOT NULL AND json_extract({session}.labels, "
+        "'$.\"' || rl.key || '\"') IS NOT rl.value)"
+    )
+
+
+def _busy_sql(column: str, owner: str) -> str:
+    return (
+        f"(SELECT count(*) FROM {_t(Run)} rr JOIN {_t(RunLease)} l ON l.run_id = rr.id "  # noqa: S608  (table names from model metadata)
+        f"WHERE rr.{column} = {owner} AND rr.state IN (%s, %s) "
+        "AND l.state = %s AND l.expires_at > %s)"
+    )
+
+
+def project_busy_sql(owner: str) -> str:
+    """SQL counting the live leases of Project `owner`'s Runs (`leases.quota`);
+    parameters: `busy_params(now)`."""
+    return _busy_sql("project_id", owner)
+
+
+def task_busy_sql(owner: str) -> str:
+    """SQL counting the live leases of Task `owner`'s Runs (`leases.quota`)."""
+    return _busy_sql("task_id", owner)
+
+
+def busy_params(now: datetime) -> list[Any]:
+    return [RunState.DISPATCHING, RunState.RUNNING, LeaseState.ACTIVE, _dt(now)]
+
+
+# ------------------------------------------------------------------ the reader
+
+
+class OrmQueueReader:
+    """`dispatch.core.fairness.QueueReader` over the database (module docstring)."""
+
+    def __init__(self, *, observed_at: datetime, scope: DispatchScope | None) -> None:
+        self.observed_at = observed_at
+        self.scope = scope
+        # revision pk → (revision number, executor type), from the walk.
+        self._revisions: dict[str, tuple[int, str]] = {}
+        # attempt id → its pinned revision's pk, from the rows read.
+        self._group_of: dict[str, str] = {}
+
+    def revision_pk(self, candidate: Candidate) -> str:
+        """The pinned revision's primary key of a candidate this reader returned."""
+        return self._group_of[candidate.attempt_id]
+
+    def walk(self, *, start: WalkStart | None, cap: int) -> tuple[list[QueueGroup], bool]:
+        if start is None:
+            sp, sg = _BEFORE_ALL, _BEFORE_ALL
+        else:
+            if not start[0].isdigit() or not (start[1] is None or start[1].isdigit()):
+                raise ValueError("not a cursor of this source")
+            sp = int(start[0])
+            sg = _AFTER_ALL if start[1] is None else int(start[1])
+        run = _t(Run)
+        successor = (
+            f"SELECT r2.id FROM {run} r2 WHERE r2.state = %s "  # noqa: S608  (table names from model metadata)
+            "AND (r2.project_id, r2.task_revision_id) > (w.project_id, w.revision_id) "
+            "ORDER BY r2.project_id, r2.task_revision_id LIMIT 1"
+        )
+        first = (
+            f"SELECT r.project_id, r.task_revision_id FROM {run} r WHERE r.state = %s "  # noqa: S608  (table names from model metadata)
+            "{extra} ORDER BY r.project_id, r.task_revision_id LIMIT 1"
+        )
+        queued = RunState.QUEUED
+        walk_sql = (
+            "after_walk(project_id, revision_id, n) AS ("  # noqa: S608
+            "SELECT project_id, task_revision_id, 1 FROM ("
+            + first.format(extra="AND (r.project_id, r.task_revision_id) > (%s, %s)")
+            + ") a0 UNION ALL "  # noqa: S608
+            f"SELECT r.project_id, r.task_revision_id, w.n + 1 FROM after_walk w "
+            f"JOIN {run} r ON r.id = ({successor}) WHERE w.n < %s), "
+            "before_walk(project_id, revision_id, n) AS ("
+            "SELECT project_id, task_revision_id, 1 FROM ("
+            + first.format(extra="")
+            + ") b0 WHERE (project_id, task_revision_id) <= (%s, %s) UNION ALL "  # noqa: S608
+            f"SELECT r.project_id, r.task_revision_id, w.n + 1 FROM before_walk w "
+            f"JOIN {run} r ON r.id = ({successor}) "
+            "WHERE w.n < %s AND (r.project_id, r.task_revision_id) <= (%s, %s)), "
+            "walked AS (SELECT 0 AS part, n, project_id, revision_id FROM after_walk "
+            "UNION ALL SELECT 1, n, project_id, revision_id FROM before_walk)"
+        )
+        limit = cap + 1
+        params: list[Any] = [queued, sp, sg, queued, limit, queued, sp, sg, queued, limit, sp, sg]
+        ctes = walk_sql
+        if self.scope is None:
+            flags = "0, 0, 1"
+        else:
+            servable_sql, servable_params = servable_sessions_cte(self.scope)
+            materialized = "MATERIALIZED "
+            ctes = f"servable AS {materialized}({servable_sql}), " + walk_sql
+            params = servable_params + params
+            project_busy, task_busy = project_busy_sql("p.id"), task_busy_sql("v.task_id")
+            flags = (
+                f"CASE WHEN p.max_concurrent_runs = 0 THEN 0 ELSE {project_busy} END, "  # noqa: S608
+                f"CASE WHEN v.max_concurrent_runs = 0 THEN 0 ELSE {task_busy} END, "
+                f"CASE WHEN EXISTS (SELECT 1 FROM servable f WHERE {placement_matches('f', 'v')}) "
+                "THEN 1 ELSE 0 END"
+            )
+        sql = (
+            f"WITH RECURSIVE {ctes} "  # noqa: S608  (table names from model metadata)
+            "SELECT wk.project_id, wk.revision_id, v.task_id, v.revision, v.executor_type, "
+            f"p.max_concurrent_runs, v.max_concurrent_runs, {flags} "
+            f"FROM walked wk JOIN {_t(Project)} p ON p.id = wk.project_id "
+            f"JOIN {_t(TaskRevision)} v ON v.id = wk.revision_id "
+            "ORDER BY wk.part, wk.n LIMIT %s"
+        )
+        if self.scope is not None:
+            now = self.observed_at
+            params += [*busy_params(now), *busy_params(now)]
+        params.append(limit)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+        groups: list[QueueGroup] = []
+        for row in rows[:cap]:
+            (project_id, revision_id, task_id, number, executor_type) = row[:5]
+            project_limit, task_limit, project_busy, task_busy, placeable = row[5:]
+            self._revisions[str(revision_id)] = (int(number), str(executor_type))
+            if self.scope is None:
+                groups.append(
+                    QueueGroup(str(project_id), str(revision_id), str(task_id), servable=True)
+                )
+                continue
+            project_room = project_limit - project_busy if project_limit else None
+            task_room = task_limit - task_busy if task_limit else None
+            servable = (
+                bool(placeable)
+                and (project_room is None or project_room > 0)
+                and (task_room is None or task_room > 0)
+            )
+            groups.append(
+                QueueGroup(
+                    str(project_id),
+                    str(revision_id),
+                    str(task_id),
+                    servable,
+                    project_room,
+                    task_room,
+                )
+            )
+        return groups, len(rows) > cap
+
+    def rows(self, wanted: Sequence[RowsWanted]) -> Mapping[str, Sequence[Candidate]]:
+        if not wanted:
+            return {}
+        run, attempt = _t(Run), _t(Attempt)
+        branches: list[str] = []
+        params: list[Any] = []
+        for index, want in enumerate(wanted):
+            sql = (
+                "SELECT * FROM (SELECT a.id, a.version, a.lease_generation, r.id AS run_id, "  # noqa: S608  (table names from model metadata)
+                "r.priority, r.queued_at, r.project_id, r.task_id, r.task_revision_id "
+                f"FROM {run} r JOIN {attempt} a ON a.run_id = r.id "
+                "WHERE r.state = %s AND r.project_id = %s AND r.task_revision_id = %s "
+                "AND a.state = %s AND r.cancel_requested = %s "
+                "AND (a.not_before IS NULL OR a.not_before <= %s)"
+            )
+            params += [
+                RunState.QUEUED,
+                int(want.group.project_id),
+                int(want.group.group_id),
+                AttemptState.PENDING,
+                False,
+                _dt(self.observed_at),
+            ]
+            if want.after is not None:
+                priority, queued_at, run_id = want.after
+                # The exact successor of `after` in (priority DESC, queued_at, id).
+                sql += (
+                    " AND r.priority <= %s AND (r.priority < %s OR r.queued_at > %s "
+                    "OR (r.queued_at = %s AND r.id > %s))"
+                )
+                moment = _dt(queued_at)
+                params += [priority, priority, moment, moment, int(run_id)]
+            sql += f" ORDER BY r.priority DESC, r.queued_at, r.id LIMIT %s) g{index}"
+            params.append(want.limit)
+            branches.append(sql)
+        with connection.cursor() as cursor:
+            cursor.execute(" UNION ALL ".join(branches), params)
+            fetched = cursor.fetchall()
+        found: dict[str, list[Candidate]] = {}
+        for row in fetched:
+            attempt_id, version, generation, run_id, priority, queued_at = row[:6]
+            project_id, task_id, revision_id = row[6:]
+            number, executor_type = self._revisions[str(revision_id)]
+            self._group_of[str(attempt_id)] = str(revision_id)
+            found.setdefault(str(revision_id), []).append(
+                Candidate(
+                    run_id=str(run_id),
+                    attempt_id=str(attempt_id),
+                    project_id=str(project_id),
+                    task_id=str(task_id),
+                    task_revision=number,
+                    executor_type=executor_type,
+                    priority=int(priority),
+                    queued_at=_from_db_datetime(queued_at),
+                    attempt_version=int(version),
+                    lease_generation=int(generation),
+                )
+            )
+        for rows in found.values():
+            # Each branch is ordered; the UNION ALL keeps no promise about it.
+            rows.sort(key=lambda c: (-c.priority, c.queued_at, int(c.run_id)))
+        return found
