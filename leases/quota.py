@@ -2,12 +2,20 @@
 
 Two limits, each optional (0 = none):
 
-- `Project.max_concurrent_runs`: Runs of the Project dispatching or running.
+- `Project.max_concurrent_runs`: **live leases** of the Project's Runs.
 - `TaskRevision.max_concurrent_runs` (README "Run policies"), pinned in the
-  Run's revision: **live leases** of the Task's Runs, i.e. active leases not
-  past `expires_at`. A lease is the slot, so the count cannot leak: an agent
-  killed with `kill -9` holds its slots only until its lease expires or its
-  Session goes offline, a cancelled Run's lease is revoked with it.
+  Run's revision: **live leases** of the Task's Runs.
+
+A live lease is an active lease not past `expires_at`. A lease is the slot,
+so the count cannot leak (docs/adr/0012): no counter is kept anywhere; an
+agent killed with `kill -9` holds its slots only until its lease expires or
+its Session goes offline, a cancelled Run's lease is revoked with it, and a
+claim whose process dies before it commits leaves no lease at all. Both
+counts go through the Runs that can hold a lease (dispatching or running:
+partial indexes `run_project_active`, `run_task_active`), so they cost what
+the Project or Task has in flight, never its history. The fair candidate
+read (`dispatch.adapters.queue`) counts them with the same SQL to skip a
+full Project or Task before any claim.
 
 The claim asks inside its transaction with `lock=True`: the Project row (only
 with a Project limit) and then the Task row (only with a Task limit) are
@@ -26,9 +34,11 @@ from leases.locks import lock_project, lock_task
 from leases.models import LeaseState, RunLease
 from leases.policy import lease_live_q
 from qinglong.clock import db_now
-from runs.models import Project, Run, RunState
+from runs.models import Project, RunState
 
-__all__ = ["QuotaLimit", "quota_blocker", "task_live_lease_count"]
+__all__ = ["QuotaLimit", "project_live_lease_count", "quota_blocker", "task_live_lease_count"]
+
+_IN_FLIGHT = (RunState.DISPATCHING, RunState.RUNNING)
 
 
 class QuotaLimit(enum.StrEnum):
@@ -36,10 +46,29 @@ class QuotaLimit(enum.StrEnum):
     TASK = "task"  # the revision's max_concurrent_runs is reached
 
 
+def project_live_lease_count(project_id: int, *, now: datetime) -> int:
+    """Live leases of the Project's Runs: the slots its concurrency limit counts."""
+    return (
+        RunLease.objects.filter(
+            lease_live_q(now),
+            state=LeaseState.ACTIVE,
+            run__project_id=project_id,
+            run__state__in=_IN_FLIGHT,
+        )
+        .values("pk")
+        .count()
+    )
+
+
 def task_live_lease_count(task_id: int, *, now: datetime) -> int:
     """Live leases of the Task's Runs: the slots its concurrency limit counts."""
     return (
-        RunLease.objects.filter(lease_live_q(now), state=LeaseState.ACTIVE, run__task_id=task_id)
+        RunLease.objects.filter(
+            lease_live_q(now),
+            state=LeaseState.ACTIVE,
+            run__task_id=task_id,
+            run__state__in=_IN_FLIGHT,
+        )
         .values("pk")
         .count()
     )
@@ -49,18 +78,18 @@ def quota_blocker(
     *, project: Project, task_id: int, task_limit: int, lock: bool, now: datetime | None = None
 ) -> QuotaLimit | None:
     """Which limit stops another Run of this Task from taking a slot, if any."""
+    moment = now
     if project.max_concurrent_runs:
         if lock:
             lock_project(project.pk)
-        active = Run.objects.filter(
-            project_id=project.pk, state__in=(RunState.DISPATCHING, RunState.RUNNING)
-        ).count()
-        if active >= project.max_concurrent_runs:
+        # Read the clock after the lock: the count sees every lease committed before it.
+        moment = db_now() if moment is None else moment
+        if project_live_lease_count(project.pk, now=moment) >= project.max_concurrent_runs:
             return QuotaLimit.PROJECT
     if task_limit:
         if lock:
             lock_task(task_id)
-        moment = db_now() if now is None else now
+        moment = db_now() if moment is None else moment
         if task_live_lease_count(task_id, now=moment) >= task_limit:
             return QuotaLimit.TASK
     return None

@@ -98,9 +98,6 @@ class FakeClock:
 
 # ---------------------------------------------------------------- store rows
 
-# Runs that hold a place in their Project's `max_concurrent_runs` quota.
-_QUOTA_RUN_STATES: Final = frozenset({"dispatching", "running"})
-
 
 @dataclass
 class FakeProject:
@@ -307,16 +304,10 @@ class FakeStore:
         )
 
     def project_has_room(self, project_id: str) -> bool:
-        """`max_concurrent_runs`: dispatching and running Runs hold a place."""
+        """`max_concurrent_runs`: live leases of the Project's Runs hold a place
+        (active and not past `expires_at`, as `leases.quota` counts)."""
         limit = self.projects[project_id].max_concurrent_runs
-        if not limit:
-            return True
-        busy = sum(
-            1
-            for run in self.runs.values()
-            if run.project_id == project_id and run.state in _QUOTA_RUN_STATES
-        )
-        return busy < limit
+        return not limit or self.live_leases(project_id) < limit
 
     def task_has_room(self, run: FakeRun) -> bool:
         """The pinned revision's `max_concurrent_runs`: live leases of the Task's Runs

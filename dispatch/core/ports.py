@@ -321,10 +321,10 @@ class ClaimPort(Protocol):
            the Attempt is that Run's, pending, at `expected_version`, with
            `lease_generation` = its last generation + 1;
         2. ATTEMPT_LOST when the Run's Project has a `max_concurrent_runs`
-           quota and that many of its Runs are dispatching or running, or the
-           Run's pinned revision has a `max_concurrent_runs` limit and that many
-           live leases (active, not past `expires_at`) belong to Runs of its
-           Task;
+           quota and that many live leases (active, not past `expires_at`)
+           belong to its Runs, or the Run's pinned revision has a
+           `max_concurrent_runs` limit and that many live leases belong to
+           Runs of its Task (`leases.quota`, docs/adr/0012);
         3. WORKER_UNAVAILABLE unless the Session is the Worker's current ONLINE
            Session at `session_generation` and the Worker is active;
         4. WORKER_UNAVAILABLE when this Session already has a lease with this
