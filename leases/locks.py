@@ -18,6 +18,7 @@ which has no row locks, each is a plain read and the transaction's
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -27,15 +28,29 @@ from django.utils import timezone
 
 from leases.models import LeaseState, RunLease
 from qinglong.rows import ModelColumns
-from runs.models import ATTEMPT_ACTIVE_STATES, Attempt, Project, Run, Task, TaskRevision
+from runs.models import (
+    ATTEMPT_ACTIVE_STATES,
+    Attempt,
+    Project,
+    Run,
+    RunState,
+    Task,
+    TaskRevision,
+)
 from workers.models import Worker, WorkerSession
 
 __all__ = [
+    "BatchKey",
+    "BatchLimits",
+    "BatchRow",
+    "ClaimBatchRows",
     "ClaimRows",
     "LeaseChain",
     "lock_active_attempt",
     "lock_active_lease",
     "lock_attempt",
+    "lock_claim_batch",
+    "lock_claim_batch_limits",
     "lock_claim_rows",
     "lock_lease",
     "lock_lease_chain",
@@ -333,3 +348,304 @@ def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
     lease.run, lease.attempt, lease.session = run, attempt, session
     now = row[offset] if postgres else timezone.now()
     return LeaseChain(run=run, attempt=attempt, session=session, lease=lease, now=now)
+
+
+# ------------------------------------------------ a page of claims at once
+#
+# A global cycle claims its whole page of (candidate, Session) pairs in one
+# transaction (issue #12, docs/adr/0011, "Set-based claims"): every Run and
+# Attempt of the page in one statement, sorted by Run id, then the Projects
+# and Tasks with a limit, each kind sorted by id, then the Sessions, sorted
+# by id. Every transaction that holds rows of several kinds takes them in the
+# lock order above, and rows of one kind in ascending id, so two batches (or
+# a batch and any single-row path) never wait on each other in a cycle.
+#
+# The counts a claim decides on (the Session's active leases, its pull ids,
+# the Project's busy Runs, the Task's live leases) are read by these
+# statements too, but a statement's snapshot is taken before it waits for a
+# lock: a count can miss a lease committed while it waited. `leases.claim`
+# therefore decides on them and then checks, in the statement that writes,
+# that none of them grew (`claim_count_sql`): under the locks they can only
+# shrink.
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """One request of a batch, as the lock statement needs it."""
+
+    index: int  # its place in the batch (the answer's order)
+    run_id: int
+    attempt_id: int
+    session_key: uuid.UUID | None  # WorkerSession.session_id; None: not a UUID
+    pull_id: uuid.UUID | None
+    token_digest: str
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """A Run and its Attempt, locked, with the limits of its Project and revision."""
+
+    run: Run
+    attempt: Attempt
+    project_limit: int
+    task_limit: int
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What the claims read under the Session locks (stale until checked again)."""
+
+    sessions: dict[uuid.UUID, tuple[WorkerSession, int]]  # session_id → (row, active leases)
+    pull_conflicts: frozenset[int]  # request indexes whose pull id has another token
+    project_busy: dict[int, int]  # Project id → Runs dispatching or running
+    task_live: dict[int, int]  # Task id → live leases of its Runs
+
+
+@dataclass(frozen=True)
+class ClaimBatchRows:
+    """What `lock_claim_batch` read: the locked pairs by request index."""
+
+    rows: dict[int, BatchRow]  # a request absent here: not found, or skipped (locked)
+    limits: BatchLimits | None  # None: a limit applies, Sessions not locked yet
+    now: datetime | None  # the database clock once the locks were held (None: no row)
+
+    @property
+    def needs_limits(self) -> bool:
+        return self.limits is None and any(
+            row.project_limit or row.task_limit for row in self.rows.values()
+        )
+
+
+def claim_count_sql(kind: str, key: str, now: str = "") -> str:
+    """The one SQL text of each count a claim decides on, for a key expression.
+
+    `session`: active leases of the Session (`runlease_active_session`);
+    `project`: Runs of the Project dispatching or running (`leases.quota`);
+    `task`: live leases (active, `expires_at` after `now`) of the Task's Runs.
+    """
+    qn = connection.ops.quote_name
+    lease, run = qn(RunLease._meta.db_table), qn(Run._meta.db_table)
+    active = f"'{LeaseState.ACTIVE}'"
+    if kind == "session":
+        return (
+            f"(SELECT count(*) FROM {lease} cl "  # noqa: S608  (names from model metadata; values are parameters)
+            f"WHERE cl.session_id = {key} AND cl.state = {active})"
+        )
+    if kind == "project":
+        busy = f"'{RunState.DISPATCHING}', '{RunState.RUNNING}'"
+        return (
+            f"(SELECT count(*) FROM {run} cr "  # noqa: S608  (names from model metadata; values are parameters)
+            f"WHERE cr.project_id = {key} AND cr.state IN ({busy}))"
+        )
+    if kind == "task":
+        return (
+            f"(SELECT count(*) FROM {lease} cl JOIN {run} cr ON cr.id = cl.run_id "  # noqa: S608  (names from model metadata; values are parameters)
+            f"WHERE cr.task_id = {key} AND cl.state = {active} AND cl.expires_at > {now})"
+        )
+    raise ValueError(kind)
+
+
+def pull_conflict_sql(session: str, pull_id: str, token: str) -> str:
+    """docs/adr/0003, one pull id one token: another lease of the Session has this
+    pull id with another token."""
+    lease = connection.ops.quote_name(RunLease._meta.db_table)
+    return (
+        f"EXISTS (SELECT 1 FROM {lease} cl WHERE cl.session_id = {session} "  # noqa: S608  (names from model metadata; values are parameters)
+        f"AND cl.pull_id = {pull_id} AND cl.token_digest <> {token})"
+    )
+
+
+_BATCH_RUN = ("id", "state", "version", "cancel_requested", "project_id", "task_id")
+_BATCH_ATTEMPT = ("id", "run_id", "state", "version", "lease_generation")
+_BATCH_SESSION = ("id", "session_id", "worker_id", "generation", "state", "slots")
+
+
+def _batch_keys_sql() -> str:
+    return (
+        "SELECT * FROM unnest(%s::integer[], %s::bigint[], %s::bigint[], %s::uuid[], "
+        "%s::uuid[], %s::varchar(64)[]) AS q(idx, run_id, attempt_id, sess, pull, tok)"
+    )
+
+
+def _batch_keys_params(keys: Sequence[BatchKey]) -> list[Any]:
+    return [
+        [k.index for k in keys],
+        [k.run_id for k in keys],
+        [k.attempt_id for k in keys],
+        [k.session_key for k in keys],
+        [k.pull_id for k in keys],
+        [k.token_digest for k in keys],
+    ]
+
+
+def _sessions_cte(where: str) -> str:
+    qn = connection.ops.quote_name
+    return (
+        f"sw AS MATERIALIZED (SELECT {', '.join(f's.{qn(c)}' for c in _BATCH_SESSION)}, "  # noqa: S608  (names from model metadata; values are parameters)
+        f"w.{qn('slots')} AS w_slots, w.{qn('admin_state')} AS w_admin_state "
+        f"FROM {qn(WorkerSession._meta.db_table)} s "
+        f"JOIN {qn(Worker._meta.db_table)} w ON w.{qn('id')} = s.{qn('worker_id')} "
+        f"WHERE {where} ORDER BY s.{qn('id')} FOR NO KEY UPDATE OF s)"
+    )
+
+
+def _sessions_select() -> str:
+    """The Sessions locked (`sw`) with their active leases, and the requests (`q`)
+    whose pull id conflicts: two JSON columns."""
+    fields = ", ".join(f"sw.{c}" for c in _BATCH_SESSION)
+    return (
+        f"(SELECT json_agg(json_build_array({fields}, sw.w_slots, sw.w_admin_state, "  # noqa: S608  (names from model metadata; values are parameters)
+        f"{claim_count_sql('session', 'sw.id')})) FROM sw), "
+        "(SELECT json_agg(q.idx) FROM q JOIN sw ON sw.session_id = q.sess "
+        f"WHERE q.pull IS NOT NULL AND {pull_conflict_sql('sw.id', 'q.pull', 'q.tok')})"
+    )
+
+
+def _load_sessions(
+    rows: list[list[Any]] | None, conflicts: list[int] | None
+) -> tuple[dict[uuid.UUID, tuple[WorkerSession, int]], frozenset[int]]:
+    sessions: dict[uuid.UUID, tuple[WorkerSession, int]] = {}
+    for values in rows or ():
+        *fields, w_slots, w_admin_state, active = values
+        session = WorkerSession(**dict(zip(_BATCH_SESSION, fields, strict=True)))
+        session.session_id = uuid.UUID(str(session.session_id))
+        session.worker = Worker(pk=session.worker_id, slots=w_slots, admin_state=w_admin_state)
+        sessions[session.session_id] = (session, int(active))
+    return sessions, frozenset(conflicts or ())
+
+
+_CLAIM_BATCH_SQL: dict[tuple[str, bool], str] = {}
+
+
+def _claim_batch_sql(*, skip: bool) -> str:
+    found = _CLAIM_BATCH_SQL.get((connection.vendor, skip))
+    if found is not None:
+        return found
+    qn = connection.ops.quote_name
+    run_lock = "FOR UPDATE OF r, a" + (" SKIP LOCKED" if skip else "")
+    run_cols = _columns(Run._meta, "r", _BATCH_RUN, "r_")
+    attempt_cols = _columns(Attempt._meta, "a", _BATCH_ATTEMPT, "a_")
+    # Sessions are locked here only when no locked row has a limit: with one,
+    # the Projects and Tasks come first (`lock_claim_batch_limits`). Reading
+    # `ra` in the WHERE makes every Run and Attempt locked before any Session.
+    sessions_where = (
+        "s.session_id = ANY((SELECT CASE WHEN bool_or(ra.p_limit <> 0 OR ra.t_limit <> 0) "
+        "THEN NULL ELSE array_agg(ra.sess) END FROM ra)::uuid[])"
+    )
+    sql = f"""
+        WITH q AS ({_batch_keys_sql()}),
+        ra AS MATERIALIZED (
+            SELECT q.idx, q.sess, {run_cols}, {attempt_cols},
+                   p.{qn("max_concurrent_runs")} AS p_limit,
+                   v.{qn("max_concurrent_runs")} AS t_limit
+            FROM q
+            JOIN {qn(Run._meta.db_table)} r ON r.{qn("id")} = q.run_id
+            JOIN {qn(Attempt._meta.db_table)} a
+              ON a.{qn("id")} = q.attempt_id AND a.{qn("run_id")} = r.{qn("id")}
+            JOIN {qn(Project._meta.db_table)} p ON p.{qn("id")} = r.{qn("project_id")}
+            JOIN {qn(TaskRevision._meta.db_table)} v ON v.{qn("id")} = r.{qn("task_revision_id")}
+            ORDER BY r.{qn("id")}, a.{qn("id")}
+            {run_lock}
+        ),
+        {_sessions_cte(sessions_where)}
+        SELECT (SELECT json_agg(ra) FROM ra), {_sessions_select()},
+               clock_timestamp()
+    """  # noqa: S608  (names from model metadata; values are parameters)
+    _CLAIM_BATCH_SQL[(connection.vendor, skip)] = sql
+    return sql
+
+
+def lock_claim_batch(keys: Sequence[BatchKey], *, skip_locked: bool) -> ClaimBatchRows:
+    """1, 2 and 4 of the order for a page of claims, in one statement (PostgreSQL).
+
+    Every requested Run and Attempt, sorted by Run id (`SKIP LOCKED` in global
+    scope: a pair another transaction holds is left out, as a lost race),
+    then — only when no locked Run's Project or pinned revision has a
+    concurrency limit — the Sessions the locked pairs name, sorted by id,
+    with their active leases and the requests whose pull id already has
+    another token. With a limit, `lock_claim_batch_limits` locks Projects,
+    Tasks and Sessions next. No state is checked here; the claim decides.
+    """
+    assert connection.vendor == "postgresql", "a batch of claims is one statement on PostgreSQL"
+    sql = _claim_batch_sql(skip=_skip(skip_locked))
+    with connection.cursor() as cursor:
+        cursor.execute(sql, _batch_keys_params(keys))
+        row = cursor.fetchone()
+    assert row is not None
+    pairs, session_rows, conflicts, now = row
+    rows = {int(values["idx"]): _batch_row(values) for values in pairs or ()}
+    limits: BatchLimits | None = None
+    if not any(r.project_limit or r.task_limit for r in rows.values()):
+        sessions, pull_conflicts = _load_sessions(session_rows, conflicts)
+        limits = BatchLimits(sessions, pull_conflicts, {}, {})
+    return ClaimBatchRows(rows=rows, limits=limits, now=now if rows else None)
+
+
+def _batch_row(values: dict[str, Any]) -> BatchRow:
+    """A locked pair from its JSON object (`ra`); never saved."""
+    run = Run(**{name: values[f"r_{name}"] for name in _BATCH_RUN})
+    attempt = Attempt(**{name: values[f"a_{name}"] for name in _BATCH_ATTEMPT})
+    return BatchRow(
+        run=run,
+        attempt=attempt,
+        project_limit=int(values["p_limit"]),
+        task_limit=int(values["t_limit"]),
+    )
+
+
+_LIMITS_SQL: dict[str, str] = {}
+
+
+def lock_claim_batch_limits(
+    keys: Sequence[BatchKey], rows: dict[int, BatchRow], *, now: datetime
+) -> BatchLimits:
+    """3, 3b and 4 of the order for a page of claims with limits, in one statement.
+
+    The Projects with a `max_concurrent_runs` quota, then the Tasks whose
+    pinned revision has a limit, then the Sessions the locked pairs name —
+    each kind sorted by id, each read after the one before is locked — and
+    the counts the quotas and slots are decided on (Runs dispatching or
+    running per Project, live leases at `now` per Task, active leases per
+    Session) and the requests whose pull id already has another token.
+    """
+    sql = _LIMITS_SQL.get(connection.vendor)
+    if sql is None:
+        qn = connection.ops.quote_name
+        sql = f"""
+            WITH q AS ({_batch_keys_sql()}),
+            pl AS MATERIALIZED (
+                SELECT p.{qn("id")} FROM {qn(Project._meta.db_table)} p
+                WHERE p.{qn("id")} = ANY(%s::bigint[]) ORDER BY p.{qn("id")}
+                FOR NO KEY UPDATE OF p
+            ),
+            tl AS MATERIALIZED (
+                SELECT t.{qn("id")} FROM {qn(Task._meta.db_table)} t
+                WHERE t.{qn("id")} = ANY(%s::bigint[]) AND (SELECT count(*) FROM pl) >= 0
+                ORDER BY t.{qn("id")} FOR NO KEY UPDATE OF t
+            ),
+            {_sessions_cte("s.session_id = ANY(%s::uuid[]) AND (SELECT count(*) FROM tl) >= 0")}
+            SELECT
+                (SELECT json_agg(json_build_array(pl.id, {claim_count_sql("project", "pl.id")}))
+                 FROM pl),
+                (SELECT json_agg(json_build_array(tl.id, {claim_count_sql("task", "tl.id", "%s")}))
+                 FROM tl),
+                {_sessions_select()}
+        """  # noqa: S608  (names from model metadata; values are parameters)
+        _LIMITS_SQL[connection.vendor] = sql
+    locked = [key for key in keys if key.index in rows]
+    project_ids = sorted({r.run.project_id for r in rows.values() if r.project_limit})
+    task_ids = sorted({r.run.task_id for r in rows.values() if r.task_limit})
+    session_keys = sorted({k.session_key for k in locked if k.session_key is not None})
+    params = [*_batch_keys_params(keys), project_ids, task_ids, session_keys, now]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    assert row is not None
+    projects, tasks, session_rows, conflicts = row
+    sessions, pull_conflicts = _load_sessions(session_rows, conflicts)
+    return BatchLimits(
+        sessions=sessions,
+        pull_conflicts=pull_conflicts,
+        project_busy={int(pk): int(n) for pk, n in projects or ()},
+        task_live={int(pk): int(n) for pk, n in tasks or ()},
+    )

@@ -30,6 +30,7 @@ lock order.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -39,6 +40,7 @@ from django.db import connection
 from django.db.models import Model
 
 from leases.errors import IllegalTransition, LostRace
+from leases.locks import claim_count_sql, pull_conflict_sql
 from leases.models import LeaseState, RunLease
 from leases.transitions import (
     ATTEMPT_TRANSITIONS,
@@ -50,7 +52,7 @@ from leases.transitions import (
 from notifications.services import run_event_emit
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 
-__all__ = ["Guard", "Writes"]
+__all__ = ["ClaimCounts", "ClaimWrites", "Guard", "Writes"]
 
 
 @dataclass(frozen=True)
@@ -369,3 +371,199 @@ class Writes:
                 elif cursor.rowcount != 1:
                     raise LostRace("a row changed under us")
         return row
+
+
+# ------------------------------------------------ a page of claims at once
+
+
+@dataclass(frozen=True)
+class ClaimCounts:
+    """The counts a page of claims was decided on (`leases.claim`), to check again.
+
+    Read under the locks but in a snapshot taken before the locks were
+    granted, each may have missed a lease committed meanwhile; under the
+    locks none can grow any more. `ClaimWrites.apply` writes only if every
+    count is still at most what was assumed and no pull id gained another
+    token; otherwise it writes nothing and the claim decides again.
+    """
+
+    sessions: Sequence[tuple[int, int]] = ()  # (WorkerSession pk, active leases)
+    projects: Sequence[tuple[int, int]] = ()  # (Project pk, Runs dispatching or running)
+    tasks: Sequence[tuple[int, int]] = ()  # (Task pk, live leases at `now`)
+    pulls: Sequence[tuple[int, uuid.UUID, str]] = ()  # (Session pk, pull id, token digest)
+    now: datetime | None = None
+
+
+@dataclass
+class _Claimed:
+    attempt: Attempt
+    run: Run
+    lease: RunLease
+    event: AttemptEvent
+
+
+_CLAIM_BATCH_SQL: dict[str, tuple[str, tuple[Any, ...], tuple[Any, ...]]] = {}
+
+
+def _claim_batch_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
+    """The statement of `ClaimWrites.apply` and the event and lease fields it inserts."""
+    found = _CLAIM_BATCH_SQL.get(connection.vendor)
+    if found is not None:
+        return found
+
+    def counted(kind: str) -> str:
+        now = "%s" if kind == "task" else ""
+        check = claim_count_sql(kind, "g.k", now)
+        return (
+            f"COALESCE((SELECT bool_and({check} <= g.n) "  # noqa: S608  (names from model metadata; values are parameters)
+            "FROM unnest(%s::bigint[], %s::integer[]) AS g(k, n)), true)"
+        )
+
+    def inserted(meta: Any, alias: str) -> tuple[str, tuple[Any, ...]]:
+        fields = tuple(f for f in meta.concrete_fields if not f.primary_key)
+        columns = ", ".join(_q(f.column) for f in fields)
+        arrays = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
+        picked = ", ".join(f"{alias}.{_q(f.column)}" for f in fields)
+        sql = (
+            f"INSERT INTO {_q(meta.db_table)} ({columns}) SELECT {picked} "  # noqa: S608  (names from model metadata; values are parameters)
+            f"FROM unnest({arrays}) AS {alias}({columns}) "
+            f"WHERE {alias}.{_q('attempt_id')} IN (SELECT id FROM wa)"
+        )
+        return sql, fields
+
+    events_sql, event_fields = inserted(_EVENT, "e")
+    leases_sql, lease_fields = inserted(_LEASE, "l")
+    attempt, run = _q(_ATTEMPT.db_table), _q(_RUN.db_table)
+    state, version, pk = _q("state"), _q("version"), _q("id")
+    sql = f"""
+        WITH guard AS (SELECT ({counted("session")} AND {counted("project")}
+            AND {counted("task")} AND NOT EXISTS (
+                SELECT 1 FROM unnest(%s::bigint[], %s::uuid[], %s::varchar(64)[]) AS g(k, pull, tok)
+                WHERE {pull_conflict_sql("g.k", "g.pull", "g.tok")})) AS ok),
+        q AS MATERIALIZED (SELECT * FROM unnest(%s::bigint[], %s::integer[], %s::integer[],
+            %s::bigint[], %s::integer[]) AS q(attempt_id, a_version, gen, run_id, r_version)),
+        wa AS (
+            UPDATE {attempt} a SET {state} = %s, {version} = a.{version} + 1,
+                   {_q("lease_generation")} = q.gen
+            FROM q, {run} r
+            WHERE a.{pk} = q.attempt_id AND a.{version} = q.a_version AND a.{state} = %s
+              AND a.{_q("lease_generation")} + 1 = q.gen AND a.{_q("run_id")} = q.run_id
+              AND r.{pk} = q.run_id AND r.{version} = q.r_version AND r.{state} = %s
+              AND (SELECT ok FROM guard)
+            RETURNING a.{pk} AS id
+        ),
+        wr AS (
+            UPDATE {run} r SET {state} = %s, {version} = r.{version} + 1
+            FROM q
+            WHERE r.{pk} = q.run_id AND r.{version} = q.r_version AND r.{state} = %s
+              AND q.attempt_id IN (SELECT id FROM wa)
+            RETURNING 1
+        ),
+        we AS ({events_sql} RETURNING 1),
+        wl AS ({leases_sql} RETURNING {pk}, {_q("attempt_id")})
+        SELECT (SELECT ok FROM guard), (SELECT array_agg(id) FROM wa),
+               (SELECT count(*) FROM wr), (SELECT count(*) FROM we),
+               (SELECT json_agg(json_build_array(wl.{_q("attempt_id")}, wl.{pk})) FROM wl)
+    """  # noqa: S608  (names from model metadata; values are parameters)
+    found = _CLAIM_BATCH_SQL[connection.vendor] = (sql, event_fields, lease_fields)
+    return found
+
+
+def _columns_of(objs: Sequence[Model], fields: tuple[Any, ...]) -> list[list[Any]]:
+    """One array per field (every concrete column but the key), as `save()` would write."""
+    return [
+        [f.get_db_prep_save(f.pre_save(obj, add=True), connection) for obj in objs] for f in fields
+    ]
+
+
+class ClaimWrites:
+    """The writes of a page of claims as one statement (PostgreSQL; docs/adr/0011).
+
+    Per claim: the Attempt `pending → claimed` (a compare-and-set on id,
+    version, state and lease generation, which also checks its Run's id,
+    version and state), the Run `queued → dispatching` (a compare-and-set),
+    the history row and the lease — the last three only for an Attempt the
+    first one wrote. An Attempt whose compare-and-set touches no row writes
+    nothing: a lost race for that claim only. Under the caller's locks that
+    cannot happen, and a Run, history row or lease missing for a written
+    Attempt raises `LostRace` (the caller's transaction rolls back).
+    """
+
+    def __init__(self) -> None:
+        self._claims: list[_Claimed] = []
+
+    def __len__(self) -> int:
+        return len(self._claims)
+
+    def claim(self, attempt: Attempt, run: Run, lease: RunLease, *, actor: str) -> None:
+        """`Writes.attempt(claimed)`, `Writes.run(dispatching)` and `Writes.lease_create`."""
+        _legal("attempt", ATTEMPT_TRANSITIONS, str(attempt.state), AttemptState.CLAIMED)
+        _legal("run", RUN_TRANSITIONS, str(run.state), RunState.DISPATCHING)
+        event = AttemptEvent(
+            attempt_id=attempt.pk,
+            run_id=run.pk,
+            from_state=str(attempt.state),
+            to_state=str(AttemptState.CLAIMED),
+            reason="claim",
+            actor=actor[:80],
+        )
+        self._claims.append(_Claimed(attempt=attempt, run=run, lease=lease, event=event))
+
+    def apply(self, counts: ClaimCounts) -> dict[int, RunLease] | None:
+        """Write every claim whose compare-and-sets hold, or nothing when a count grew.
+
+        Returns the leases written by Attempt id (their `pk` set); None when
+        `counts` no longer hold. Must run inside the caller's transaction,
+        after its locks.
+        """
+        if not self._claims:
+            return {}
+        sql, event_fields, lease_fields = _claim_batch_sql()
+        claims = self._claims
+        params: list[Any] = [
+            [k for k, _ in counts.sessions],
+            [n for _, n in counts.sessions],
+            [k for k, _ in counts.projects],
+            [n for _, n in counts.projects],
+            # The task count's `now` stands before its arrays in the text.
+            counts.now,
+            [k for k, _ in counts.tasks],
+            [n for _, n in counts.tasks],
+            [k for k, _, _ in counts.pulls],
+            [p for _, p, _ in counts.pulls],
+            [t for _, _, t in counts.pulls],
+            [c.attempt.pk for c in claims],
+            [c.attempt.version for c in claims],
+            [c.lease.lease_generation for c in claims],
+            [c.run.pk for c in claims],
+            [c.run.version for c in claims],
+            str(AttemptState.CLAIMED),
+            str(AttemptState.PENDING),
+            str(RunState.QUEUED),
+            str(RunState.DISPATCHING),
+            str(RunState.QUEUED),
+            *_columns_of([c.event for c in claims], event_fields),
+            *_columns_of([c.lease for c in claims], lease_fields),
+        ]
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
+        assert row is not None
+        ok, written, runs, events, leases = row
+        if not ok:
+            return None
+        written = set(written or ())
+        lease_ids = {int(attempt_id): int(pk) for attempt_id, pk in leases or ()}
+        if runs != len(written) or events != len(written) or set(lease_ids) != written:
+            raise LostRace("a claim was half written")
+        out: dict[int, RunLease] = {}
+        for claimed in claims:
+            attempt = claimed.attempt
+            if attempt.pk not in written:
+                continue
+            attempt.state, attempt.version = AttemptState.CLAIMED, attempt.version + 1
+            attempt.lease_generation = claimed.lease.lease_generation
+            claimed.run.state, claimed.run.version = RunState.DISPATCHING, claimed.run.version + 1
+            claimed.lease.pk = lease_ids[attempt.pk]
+            out[attempt.pk] = claimed.lease
+        return out

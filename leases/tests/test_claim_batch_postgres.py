@@ -1,0 +1,521 @@
+"""A page of claims in one transaction on PostgreSQL (issue #12, docs/adr/0011).
+
+`lease_claim_many` answers each request as `lease_claim` would if the page
+were claimed one request after the other, in a constant number of
+statements; these tests hold it to that, make it lose races against real
+concurrent connections (a pair held elsewhere, two pages for the same rows,
+a Session filled and a quota reached while the page waited for its locks),
+and check the order it takes its locks in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from dispatch.core.ports import ClaimRequest, ClaimStatus
+from leases import claim as claim_module
+from leases.claim import lease_claim, lease_claim_many
+from leases.locks import BatchKey, lock_claim_batch, lock_claim_batch_limits
+from leases.models import LeaseState, RunLease
+from qinglong import testing
+from runs.models import Attempt, AttemptEvent, AttemptState, Project, Run, RunState
+from workers.models import WorkerSession
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+WON, LOST, UNAVAILABLE = (
+    ClaimStatus.WON,
+    ClaimStatus.ATTEMPT_LOST,
+    ClaimStatus.WORKER_UNAVAILABLE,
+)
+
+
+def _session(slots: int) -> WorkerSession:
+    worker, _ = testing.make_worker(slots=slots)
+    return testing.open_session(worker).session
+
+
+def _attempts(n: int, task: Any = None) -> list[Attempt]:
+    task = task or testing.make_task()
+    return [testing.pending_attempt(testing.make_run(task)) for _ in range(n)]
+
+
+def _requests(attempts: list[Attempt], session: WorkerSession, **kwargs: Any) -> list[ClaimRequest]:
+    return [testing.claim_request(a, session, **kwargs)[0] for a in attempts]
+
+
+def _statuses(outcomes: list[Any]) -> list[ClaimStatus]:
+    return [o.status for o in outcomes]
+
+
+def _active(session: WorkerSession) -> int:
+    return RunLease.objects.filter(session=session, state=LeaseState.ACTIVE).count()
+
+
+# ------------------------------------------------------------- what it answers
+
+
+def test_a_page_is_claimed_in_one_transaction_of_four_statements() -> None:
+    one = _session(4)
+    two = _session(4)
+    attempts = _attempts(6)
+    requests = [
+        testing.claim_request(a, one if i % 2 else two, skip_locked=True)[0]
+        for i, a in enumerate(attempts)
+    ]
+    with CaptureQueriesContext(connection) as queries:
+        outcomes = lease_claim_many(requests)
+    statements = [q["sql"] for q in queries.captured_queries]
+    # BEGIN, the locks (and counts), the checks and writes, COMMIT.
+    assert (statements[0], statements[-1], len(statements)) == ("BEGIN", "COMMIT", 4), statements
+    assert _statuses(outcomes) == [WON] * 6
+    for attempt, request, outcome in zip(attempts, requests, outcomes, strict=True):
+        lease = RunLease.objects.get(pk=int(str(outcome.lease_id)))
+        assert (lease.attempt_id, lease.offer_id, lease.token_digest) == (
+            attempt.pk,
+            request.offer_id,
+            request.token_digest,
+        )
+        assert lease.expires_at == outcome.expires_at
+        assert (lease.state, lease.lease_generation, lease.source) == ("active", 1, "new_claim")
+        assert lease.claimed_at < lease.expires_at
+        attempt.refresh_from_db()
+        assert (attempt.state, attempt.version, attempt.lease_generation) == ("claimed", 1, 1)
+        run = Run.objects.get(pk=attempt.run_id)
+        assert (run.state, run.version) == (RunState.DISPATCHING, 1)
+        (event,) = AttemptEvent.objects.filter(attempt=attempt)
+        assert (event.from_state, event.to_state, event.reason) == ("pending", "claimed", "claim")
+        assert event.actor == f"worker:{lease.worker_id}"
+    assert (_active(one), _active(two)) == (3, 3)
+
+
+def test_each_request_sees_the_grants_before_it() -> None:
+    session = _session(2)
+    other = _session(4)
+    a, b, c, d = _attempts(4)
+    twice = testing.claim_request(a, other)[0]
+    requests = [
+        *_requests([a, b, c], session),  # the third finds the Session full
+        twice,  # `a` again, on a Session with room: already claimed by the first
+        testing.claim_request(d, other)[0],
+    ]
+    assert _statuses(lease_claim_many(requests)) == [WON, WON, UNAVAILABLE, LOST, WON]
+    assert (_active(session), _active(other)) == (2, 1)
+    assert Attempt.objects.get(pk=c.pk).state == AttemptState.PENDING
+
+
+def test_one_stale_request_loses_alone() -> None:
+    session = _session(4)
+    a, b, c = _attempts(3)
+    stale = testing.claim_request(b, session, expected_version=b.version + 1)[0]
+    wrong_generation = testing.claim_request(c, session, lease_generation=2)[0]
+    requests = [testing.claim_request(a, session)[0], stale, wrong_generation]
+    assert _statuses(lease_claim_many(requests)) == [WON, LOST, LOST]
+    assert _active(session) == 1
+
+
+def test_a_cancelled_run_and_an_unknown_id_lose_and_a_gone_session_is_unavailable() -> None:
+    session = _session(4)
+    gone = _session(4)
+    a, b, c, d = _attempts(4)
+    Run.objects.filter(pk=b.run_id).update(cancel_requested=True)
+    WorkerSession.objects.filter(pk=gone.pk).update(state="offline")
+    unknown = dataclasses.replace(testing.claim_request(c, session)[0], attempt_id="999999")
+    not_an_id = dataclasses.replace(testing.claim_request(c, session)[0], run_id="x")
+    requests = [
+        testing.claim_request(a, session)[0],
+        testing.claim_request(b, session)[0],
+        unknown,
+        not_an_id,
+        testing.claim_request(d, gone)[0],
+        testing.claim_request(c, session)[0],
+    ]
+    assert _statuses(lease_claim_many(requests)) == [WON, LOST, LOST, LOST, UNAVAILABLE, WON]
+
+
+def test_one_pull_id_carries_one_token_within_a_page_too() -> None:
+    session = _session(8)
+    a, b, c, d = _attempts(4)
+    pull = "6f1f7a36-0000-4000-8000-000000000001"
+    earlier = testing.claim_request(a, session, pull_id=pull, token="T" * 43)[0]
+    assert lease_claim(earlier).status is WON
+    requests = [
+        testing.claim_request(b, session, pull_id=pull, token="U" * 43)[0],  # another token
+        testing.claim_request(c, session, pull_id=pull, token="T" * 43)[0],  # the same pull
+        testing.claim_request(
+            d, session, pull_id="6f1f7a36-0000-4000-8000-000000000002", token="V" * 43
+        )[0],
+    ]
+    assert _statuses(lease_claim_many(requests)) == [UNAVAILABLE, WON, WON]
+    a2, b2 = _attempts(2)
+    fresh = "6f1f7a36-0000-4000-8000-000000000003"
+    same_page = [
+        testing.claim_request(a2, session, pull_id=fresh, token="X" * 43)[0],
+        testing.claim_request(b2, session, pull_id=fresh, token="Y" * 43)[0],
+    ]
+    assert _statuses(lease_claim_many(same_page)) == [WON, UNAVAILABLE]
+
+
+def test_quotas_count_the_grants_before_each_request() -> None:
+    project = testing.make_project()
+    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=2)
+    limited = testing.make_task(testing.make_project(), max_concurrent_runs=1)
+    session = _session(8)
+    in_project = _attempts(3, testing.make_task(project))
+    in_task = _attempts(2, limited)
+    free = _attempts(1)
+    requests = _requests([*in_project, *in_task, *free], session)
+    with CaptureQueriesContext(connection) as queries:
+        outcomes = lease_claim_many(requests)
+    assert _statuses(outcomes) == [WON, WON, LOST, WON, LOST, WON]
+    # A limit adds one statement: Projects, Tasks, then Sessions, locked in order.
+    assert len(queries.captured_queries) == 5
+    # The quota answers before the Session checks, as in `lease_claim`.
+    more = _attempts(1, testing.make_task(project))
+    WorkerSession.objects.filter(pk=session.pk).update(state="offline")
+    other = _session(8)
+    page = [testing.claim_request(more[0], session)[0], *_requests(_attempts(1), other)]
+    assert _statuses(lease_claim_many(page)) == [LOST, WON]
+
+
+def test_a_page_of_one_is_a_plain_claim() -> None:
+    session = _session(2)
+    (attempt,) = _attempts(1)
+    requests = _requests([attempt], session)
+    with CaptureQueriesContext(connection) as queries:
+        (outcome,) = lease_claim_many(requests)
+    assert outcome.status is WON
+    assert len(queries.captured_queries) == 4
+
+
+def test_delivered_claims_are_written_delivered() -> None:
+    session = _session(4)
+    a, b, c, d = _attempts(4)
+    announced = lease_claim_many(_requests([a, b], session), delivered=True)
+    pulled = lease_claim_many(
+        _requests([c, d], session, pull_id="6f1f7a36-0000-4000-8000-000000000009", token="P" * 43),
+        delivered=True,
+    )
+    for outcome, count in [*((o, 0) for o in announced), *((o, 1) for o in pulled)]:
+        lease = RunLease.objects.get(pk=int(str(outcome.lease_id)))
+        assert (lease.last_delivered_at, lease.delivery_count) == (lease.claimed_at, count)
+
+
+# ---------------------------------------------------------------- lost races
+
+
+def race(*calls: Callable[[], Any], timeout: float = 30) -> list[Any]:
+    barrier = threading.Barrier(len(calls))
+    results: list[Any] = [None] * len(calls)
+
+    def runner(index: int, call: Callable[[], Any]) -> None:
+        try:
+            barrier.wait()
+            results[index] = call()
+        except Exception as err:
+            results[index] = err
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=runner, args=item) for item in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a racer hung"
+    return results
+
+
+def test_two_pages_for_the_same_rows_claim_each_attempt_once() -> None:
+    for skip_locked in (True, False):
+        one = _session(8)
+        two = _session(8)
+        attempts = _attempts(6)
+        first = _requests(attempts, one, skip_locked=skip_locked)
+        second = _requests(list(reversed(attempts)), two, skip_locked=skip_locked)
+        outcomes = race(
+            functools.partial(lease_claim_many, first), functools.partial(lease_claim_many, second)
+        )
+        assert all(isinstance(o, list) for o in outcomes), outcomes
+        won = [o for page in outcomes for o in page if o.status is WON]
+        assert len(won) == 6, outcomes
+        assert {o.status for page in outcomes for o in page} <= {WON, LOST}
+        for attempt in attempts:
+            assert RunLease.objects.filter(attempt=attempt, state=LeaseState.ACTIVE).count() == 1
+            attempt.refresh_from_db()
+            assert (attempt.state, attempt.lease_generation) == (AttemptState.CLAIMED, 1)
+
+
+def test_a_pair_held_elsewhere_is_a_lost_race_for_that_request_only() -> None:
+    session = _session(8)
+    a, b, c = _attempts(3)
+    locked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                Run.objects.select_for_update().get(pk=b.run_id)
+                locked.set()
+                release.wait(20)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        started = time.monotonic()
+        outcomes = lease_claim_many(_requests([a, b, c], session, skip_locked=True))
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        holder.join(20)
+    assert _statuses(outcomes) == [WON, LOST, WON]
+    assert elapsed < 2.0  # SKIP LOCKED: no wait
+    assert lease_claim(testing.claim_request(b, session)[0]).status is WON
+
+
+class _Pause:
+    """Holds `leases.claim.lease_grant` of one thread after its writes, before COMMIT."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, thread_name: str) -> None:
+        self.written, self.release = threading.Event(), threading.Event()
+        original = claim_module.lease_grant
+
+        def grant(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if threading.current_thread().name == thread_name:
+                self.written.set()
+                self.release.wait(20)
+            return result
+
+        monkeypatch.setattr(claim_module, "lease_grant", grant)
+
+
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every `_write_page` of the page: True when it wrote, False when its counts failed."""
+    seen: list[bool] = []
+    original = claim_module._write_page
+
+    def write(page: Any) -> Any:
+        written = original(page)
+        seen.append(written is not None)
+        return written
+
+    monkeypatch.setattr(claim_module, "_write_page", write)
+    return seen
+
+
+def _claim_in_thread(request: ClaimRequest, name: str) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["outcome"] = lease_claim(request)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    return thread, out
+
+
+def test_a_session_filled_while_the_page_waited_for_its_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    session = _session(2)
+    rival_attempt, a, b = _attempts(3)
+    pause = _Pause(monkeypatch, "rival")
+    writes = _count_writes(monkeypatch)
+    rival, rival_out = _claim_in_thread(testing.claim_request(rival_attempt, session)[0], "rival")
+    try:
+        # The rival has written its lease and holds the Session, uncommitted.
+        assert pause.written.wait(10)
+        page: dict[str, Any] = {}
+
+        def claim_page() -> None:
+            try:
+                page["outcomes"] = lease_claim_many(_requests([a, b], session))
+            finally:
+                connection.close()
+
+        claimer = threading.Thread(target=claim_page)
+        claimer.start()
+        time.sleep(0.5)  # the page's lock statement has its snapshot and waits
+    finally:
+        pause.release.set()
+        rival.join(20)
+    claimer.join(20)
+    assert rival_out["outcome"].status is WON
+    # Its counts missed the rival's lease; its write found that out and it
+    # decided again under the same locks: one slot was left.
+    assert _statuses(page["outcomes"]) == [WON, UNAVAILABLE]
+    assert writes == [False, True]
+    assert _active(session) == 2
+
+
+def test_a_quota_reached_while_the_page_waited_for_its_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    project = testing.make_project()
+    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=2)
+    task = testing.make_task(project)
+    session = _session(8)
+    rival_attempt, a, b = _attempts(3, task)
+    pause = _Pause(monkeypatch, "rival")
+    writes = _count_writes(monkeypatch)
+    rival, rival_out = _claim_in_thread(testing.claim_request(rival_attempt, session)[0], "rival")
+    try:
+        assert pause.written.wait(10)  # holding the Project and the Session
+        page: dict[str, Any] = {}
+
+        def claim_page() -> None:
+            try:
+                page["outcomes"] = lease_claim_many(_requests([a, b], session))
+            finally:
+                connection.close()
+
+        claimer = threading.Thread(target=claim_page)
+        claimer.start()
+        time.sleep(0.5)
+    finally:
+        pause.release.set()
+        rival.join(20)
+    claimer.join(20)
+    assert rival_out["outcome"].status is WON
+    assert _statuses(page["outcomes"]) == [WON, LOST]
+    assert writes == [False, True]
+    busy = Run.objects.filter(project=project, state=RunState.DISPATCHING).count()
+    assert busy == 2
+
+
+def test_racing_pages_never_overfill_a_session_or_a_quota() -> None:
+    project = testing.make_project()
+    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=3)
+    task = testing.make_task(project)
+    small = _session(2)
+    attempts = _attempts(8, task)
+    others = _attempts(8)
+    pages = [_requests(attempts[i::4] + others[i::4], small, skip_locked=True) for i in range(4)]
+    outcomes = race(*(functools.partial(lease_claim_many, page) for page in pages))
+    assert all(isinstance(o, list) for o in outcomes), outcomes
+    assert _active(small) == 2
+    assert Run.objects.filter(project=project, state=RunState.DISPATCHING).count() <= 2
+    won = sum(o.status is WON for page in outcomes for o in page)
+    assert won == 2
+
+
+# ---------------------------------------------------------------- lock order
+
+
+def _conninfo() -> str:
+    db = connection.settings_dict
+    host = db["HOST"] or "127.0.0.1"
+    password = f" password={db['PASSWORD']}" if db.get("PASSWORD") else ""
+    return f"host={host} port={db['PORT'] or 5432} dbname={db['NAME']} user={db['USER']}{password}"
+
+
+def _held_by_someone(table: str, pk: int) -> bool:
+    with psycopg.connect(_conninfo(), autocommit=False) as probe:
+        try:
+            probe.execute(f'SELECT 1 FROM "{table}" WHERE id = %s FOR UPDATE NOWAIT', [pk])
+        except psycopg.errors.LockNotAvailable:
+            return True
+        probe.rollback()
+        return False
+
+
+def _holds_while_waiting(rows: list[tuple[str, int]], statement: Callable[[], Any]) -> list[dict]:
+    """For each row in turn: hold it elsewhere, start `statement`, and report
+    which of the other rows it holds while it waits for that one."""
+    seen = []
+    for blocked_table, blocked_pk in rows:
+        blocker = psycopg.connect(_conninfo(), autocommit=False)
+        blocker.execute(f'SELECT 1 FROM "{blocked_table}" WHERE id = %s FOR UPDATE', [blocked_pk])
+        done = threading.Event()
+
+        def run(done: threading.Event = done) -> None:
+            try:
+                with transaction.atomic():
+                    statement()
+            finally:
+                connection.close()
+                done.set()
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        time.sleep(0.5)
+        assert not done.is_set(), f"the statement did not wait for {blocked_table}"
+        seen.append(
+            {
+                f"{table}:{pk}": _held_by_someone(table, pk)
+                for table, pk in rows
+                if (table, pk) != (blocked_table, blocked_pk)
+            }
+        )
+        blocker.rollback()
+        blocker.close()
+        worker.join(10)
+    return seen
+
+
+def _keys(requests: list[ClaimRequest]) -> list[BatchKey]:
+    keys = [claim_module._batch_key(i, r) for i, r in enumerate(requests)]
+    assert all(k is not None for k in keys)
+    return keys  # type: ignore[return-value]
+
+
+def test_a_page_locks_every_run_and_attempt_in_run_order_then_the_sessions() -> None:
+    one, two = _session(2), _session(2)
+    first, second = _attempts(2)
+    # Asked in the reverse order: the statement still locks by Run id.
+    requests = [testing.claim_request(second, two)[0], testing.claim_request(first, one)[0]]
+    rows = [
+        ("runs_run", first.run_id),
+        ("runs_attempt", first.pk),
+        ("runs_run", second.run_id),
+        ("runs_attempt", second.pk),
+        ("workers_workersession", min(one.pk, two.pk)),
+        ("workers_workersession", max(one.pk, two.pk)),
+    ]
+    seen = _holds_while_waiting(rows, lambda: lock_claim_batch(_keys(requests), skip_locked=False))
+    names = [f"{t}:{pk}" for t, pk in rows]
+    for position, held in enumerate(seen):
+        # Waiting for row `position`: every row before it held, none after it.
+        expected = {name: index < position for index, name in enumerate(names) if index != position}
+        assert held == expected, (position, held)
+
+
+def test_with_a_limit_a_page_locks_projects_then_tasks_then_sessions() -> None:
+    project = testing.make_project()
+    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=5)
+    task = testing.make_task(project, max_concurrent_runs=5)
+    session = _session(2)
+    a, b = _attempts(2, task)
+    requests = _requests([a, b], session)
+    rows = [
+        ("runs_project", project.pk),
+        ("runs_task", task.pk),
+        ("workers_workersession", session.pk),
+    ]
+
+    def statement() -> None:
+        keys = _keys(requests)
+        locked = lock_claim_batch(keys, skip_locked=False)
+        assert locked.limits is None  # the Session is left to the next statement
+        assert locked.now is not None
+        lock_claim_batch_limits(keys, locked.rows, now=locked.now)
+
+    seen = _holds_while_waiting(rows, statement)
+    p, t, s = (f"{table}:{pk}" for table, pk in rows)
+    assert seen == [{t: False, s: False}, {p: True, s: False}, {p: True, t: True}]
