@@ -397,7 +397,7 @@ class BatchLimits:
 
     sessions: dict[uuid.UUID, tuple[WorkerSession, int]]  # session_id → (row, active leases)
     pull_conflicts: frozenset[int]  # request indexes whose pull id has another token
-    project_busy: dict[int, int]  # Project id → Runs dispatching or running
+    project_busy: dict[int, int]  # Project id → live leases of its Runs
     task_live: dict[int, int]  # Task id → live leases of its Runs
 
 
@@ -417,11 +417,13 @@ class ClaimBatchRows:
 
 
 def claim_count_sql(kind: str, key: str, now: str = "") -> str:
-    """The one SQL text of each count a claim decides on, for a key expression.
+    """The SQL text of each count a claim decides on, for a key expression.
 
     `session`: active leases of the Session (`runlease_active_session`);
-    `project`: Runs of the Project dispatching or running (`leases.quota`);
-    `task`: live leases (active, `expires_at` after `now`) of the Task's Runs.
+    `project` and `task`: live leases (active, `expires_at` after `now`) of
+    the Project's or Task's Runs in flight — `leases.quota` counts the same
+    (`project_live_lease_count`, `task_live_lease_count`), through the
+    partial indexes `run_project_active` and `run_task_active`.
     """
     qn = connection.ops.quote_name
     lease, run = qn(RunLease._meta.db_table), qn(Run._meta.db_table)
@@ -431,16 +433,12 @@ def claim_count_sql(kind: str, key: str, now: str = "") -> str:
             f"(SELECT count(*) FROM {lease} cl "  # noqa: S608  (names from model metadata; values are parameters)
             f"WHERE cl.session_id = {key} AND cl.state = {active})"
         )
-    if kind == "project":
-        busy = f"'{RunState.DISPATCHING}', '{RunState.RUNNING}'"
+    if kind in ("project", "task"):
+        in_flight = f"'{RunState.DISPATCHING}', '{RunState.RUNNING}'"
         return (
-            f"(SELECT count(*) FROM {run} cr "  # noqa: S608  (names from model metadata; values are parameters)
-            f"WHERE cr.project_id = {key} AND cr.state IN ({busy}))"
-        )
-    if kind == "task":
-        return (
-            f"(SELECT count(*) FROM {lease} cl JOIN {run} cr ON cr.id = cl.run_id "  # noqa: S608  (names from model metadata; values are parameters)
-            f"WHERE cr.task_id = {key} AND cl.state = {active} AND cl.expires_at > {now})"
+            f"(SELECT count(*) FROM {run} cr JOIN {lease} cl ON cl.run_id = cr.id "  # noqa: S608  (names from model metadata; values are parameters)
+            f"WHERE cr.{kind}_id = {key} AND cr.state IN ({in_flight}) "
+            f"AND cl.state = {active} AND cl.expires_at > {now})"
         )
     raise ValueError(kind)
 
@@ -604,9 +602,9 @@ def lock_claim_batch_limits(
     The Projects with a `max_concurrent_runs` quota, then the Tasks whose
     pinned revision has a limit, then the Sessions the locked pairs name —
     each kind sorted by id, each read after the one before is locked — and
-    the counts the quotas and slots are decided on (Runs dispatching or
-    running per Project, live leases at `now` per Task, active leases per
-    Session) and the requests whose pull id already has another token.
+    the counts the quotas and slots are decided on (live leases at `now` per
+    Project and per Task, active leases per Session) and the requests whose
+    pull id already has another token.
     """
     sql = _LIMITS_SQL.get(connection.vendor)
     if sql is None:
@@ -625,8 +623,8 @@ def lock_claim_batch_limits(
             ),
             {_sessions_cte("s.session_id = ANY(%s::uuid[]) AND (SELECT count(*) FROM tl) >= 0")}
             SELECT
-                (SELECT json_agg(json_build_array(pl.id, {claim_count_sql("project", "pl.id")}))
-                 FROM pl),
+                (SELECT json_agg(
+                    json_build_array(pl.id, {claim_count_sql("project", "pl.id", "%s")})) FROM pl),
                 (SELECT json_agg(json_build_array(tl.id, {claim_count_sql("task", "tl.id", "%s")}))
                  FROM tl),
                 {_sessions_select()}
@@ -636,7 +634,7 @@ def lock_claim_batch_limits(
     project_ids = sorted({r.run.project_id for r in rows.values() if r.project_limit})
     task_ids = sorted({r.run.task_id for r in rows.values() if r.task_limit})
     session_keys = sorted({k.session_key for k in locked if k.session_key is not None})
-    params = [*_batch_keys_params(keys), project_ids, task_ids, session_keys, now]
+    params = [*_batch_keys_params(keys), project_ids, task_ids, session_keys, now, now]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()

@@ -388,7 +388,7 @@ class ClaimCounts:
     """
 
     sessions: Sequence[tuple[int, int]] = ()  # (WorkerSession pk, active leases)
-    projects: Sequence[tuple[int, int]] = ()  # (Project pk, Runs dispatching or running)
+    projects: Sequence[tuple[int, int]] = ()  # (Project pk, live leases at `now`)
     tasks: Sequence[tuple[int, int]] = ()  # (Task pk, live leases at `now`)
     pulls: Sequence[tuple[int, uuid.UUID, str]] = ()  # (Session pk, pull id, token digest)
     now: datetime | None = None
@@ -412,8 +412,7 @@ def _claim_batch_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
         return found
 
     def counted(kind: str) -> str:
-        now = "%s" if kind == "task" else ""
-        check = claim_count_sql(kind, "g.k", now)
+        check = claim_count_sql(kind, "g.k", "%s" if kind != "session" else "")
         return (
             f"COALESCE((SELECT bool_and({check} <= g.n) "  # noqa: S608  (names from model metadata; values are parameters)
             "FROM unnest(%s::bigint[], %s::integer[]) AS g(k, n)), true)"
@@ -523,9 +522,10 @@ class ClaimWrites:
         params: list[Any] = [
             [k for k, _ in counts.sessions],
             [n for _, n in counts.sessions],
+            # A quota count's `now` stands before its arrays in the text.
+            counts.now,
             [k for k, _ in counts.projects],
             [n for _, n in counts.projects],
-            # The task count's `now` stands before its arrays in the text.
             counts.now,
             [k for k, _ in counts.tasks],
             [n for _, n in counts.tasks],

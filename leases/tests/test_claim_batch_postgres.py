@@ -15,6 +15,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -25,9 +26,13 @@ from django.test.utils import CaptureQueriesContext
 from dispatch.core.ports import ClaimRequest, ClaimStatus
 from leases import claim as claim_module
 from leases.claim import lease_claim, lease_claim_many
+from leases.end import lease_revoke
+from leases.errors import Outcome
 from leases.locks import BatchKey, lock_claim_batch, lock_claim_batch_limits
 from leases.models import LeaseState, RunLease
+from leases.quota import project_live_lease_count, task_live_lease_count
 from qinglong import testing
+from qinglong.clock import db_now
 from runs.models import Attempt, AttemptEvent, AttemptState, Project, Run, RunState
 from workers.models import WorkerSession
 
@@ -519,3 +524,30 @@ def test_with_a_limit_a_page_locks_projects_then_tasks_then_sessions() -> None:
     seen = _holds_while_waiting(rows, statement)
     p, t, s = (f"{table}:{pk}" for table, pk in rows)
     assert seen == [{t: False, s: False}, {p: True, s: False}, {p: True, t: True}]
+
+
+def test_a_page_counts_quotas_exactly_as_leases_quota_does() -> None:
+    project = testing.make_project()
+    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=50)
+    task = testing.make_task(project, max_concurrent_runs=50)
+    sibling = testing.make_task(project)
+    session = _session(16)
+    held = _attempts(3, task) + _attempts(2, sibling)
+    for attempt in held:
+        assert lease_claim(testing.claim_request(attempt, session)[0]).status is WON
+    # One lease past its expiry (not swept yet), one ended: neither holds a slot.
+    leases = list(RunLease.objects.filter(session=session).order_by("pk"))
+    RunLease.objects.filter(pk=leases[0].pk).update(expires_at=db_now() - timedelta(seconds=1))
+    assert lease_revoke(leases[3].pk, reason="operator_revoke") is Outcome.APPLIED
+    waiting = _attempts(1, task)
+    keys = _keys(_requests(waiting, session))
+    with transaction.atomic():
+        locked = lock_claim_batch(keys, skip_locked=False)
+        assert locked.now is not None
+        limits = lock_claim_batch_limits(keys, locked.rows, now=locked.now)
+        assert limits.project_busy == {
+            project.pk: project_live_lease_count(project.pk, now=locked.now)
+        }
+        assert limits.task_live == {task.pk: task_live_lease_count(task.pk, now=locked.now)}
+    assert (limits.project_busy[project.pk], limits.task_live[task.pk]) == (3, 2)
+    assert limits.sessions[session.session_id][1] == 4  # every active lease holds a slot
