@@ -14,9 +14,9 @@ adapter and the in-memory fakes (both implement `QueueReader`):
    under those limits. The walk reads one row per group (an index probe), so
    its cost does not depend on how many Runs a group holds.
 2. `QueueReader.rows`: for the first `limit` Projects with a servable group,
-   that many candidates per group as the Project's share of the page needs
-   (never more than its room), in the Project's own order (priority DESC,
-   queued_at, run id), after what this cycle already emitted of it.
+   up to `limit` candidates per group (never more than its room), in the
+   Project's own order (priority DESC, queued_at, run id), after what this
+   cycle already emitted of it.
 3. `fair_page`: the Projects' rows interleaved round-robin — one Run of each
    Project in turn, then the next round — up to `limit`.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -145,6 +144,10 @@ class _State:
     start: WalkStart | None
     # By project: the key of the last candidate this cycle emitted of it.
     after: dict[str, CandidateKey] = field(default_factory=dict)
+    # Projects with nothing more to give this cycle (all read, or room used).
+    done: set[str] = field(default_factory=set)
+    # Pages read: a cursor never repeats, even if a walk comes round again.
+    page: int = 0
 
 
 def fair_page(
@@ -157,7 +160,7 @@ def fair_page(
     projects: list[str] = []  # with a servable group, in walk order
     servable: dict[str, list[QueueGroup]] = {}
     for group in groups:
-        if not group.servable:
+        if not group.servable or group.project_id in state.done:
             continue
         if group.project_id not in servable:
             projects.append(group.project_id)
@@ -166,18 +169,20 @@ def fair_page(
     chosen = projects[:limit]
     more_projects = len(projects) > len(chosen)
 
-    share = math.ceil(limit / len(chosen)) if chosen else 0
+    # Each group is asked for up to a whole page (within its room): the other
+    # Projects may have fewer Runs than their share, and one read must fill
+    # the page. At most `limit` Projects, so at most `limit` rows per group.
     wanted: list[RowsWanted] = []
     for project in chosen:
         for group in servable[project]:
             room = _room(group.project_room, group.task_room)
-            ask = share if room is None else min(share, room)
+            ask = limit if room is None else min(limit, room)
             if ask > 0:
                 wanted.append(RowsWanted(group, state.after.get(project), ask))
     found = reader.rows(wanted) if wanted else {}
 
     queues: dict[str, list[Candidate]] = {}
-    maybe_more = False
+    more_behind: set[str] = set()
     for project in chosen:
         asked = [w for w in wanted if w.group.project_id == project]
         lists = [list(found.get(w.group.group_id, ())) for w in asked]
@@ -187,7 +192,7 @@ def fair_page(
             # A full answer that the room did not cap may have more behind it.
             room = _room(w.group.project_room, w.group.task_room)
             if len(rows) == w.limit and (room is None or w.limit < room):
-                maybe_more = True
+                more_behind.add(project)
         queues[project] = _merged(asked, lists)
 
     items: list[Candidate] = []
@@ -202,10 +207,14 @@ def fair_page(
                 state.after[project] = candidate_key(candidate)
                 last_emitted = project
     leftovers = any(queues.values())
+    maybe_more = bool(more_behind)
+    for project in chosen:
+        if not queues[project] and project not in more_behind:
+            state.done.add(project)  # everything it may give this cycle was given
 
-    if not items and groups:
-        # Nothing here could be served: these Projects forfeit this turn, so
-        # the next cycle does not walk them first again.
+    if not items and not state.after and groups:
+        # Nothing this cycle walked so far could be served: those Projects
+        # forfeit their turn, so the next cycle does not walk them first again.
         rotation.served(groups[-1].project_id)
 
     next_start: WalkStart | None
@@ -221,6 +230,7 @@ def fair_page(
     if next_start is None:
         return Page(tuple(items), None)
     state.start = next_start
+    state.page += 1
     return Page(tuple(items), _encode(state))
 
 
@@ -254,7 +264,8 @@ def _merged(asked: list[RowsWanted], lists: list[list[Candidate]]) -> list[Candi
 def _encode(state: _State) -> str:
     start = None if state.start is None else list(state.start)
     after = {p: [k[0], k[1].isoformat(), k[2]] for p, k in state.after.items()}
-    return json.dumps({"s": start, "a": after}, separators=(",", ":"), sort_keys=True)
+    raw = {"s": start, "a": after, "d": sorted(state.done), "n": state.page}
+    return json.dumps(raw, separators=(",", ":"), sort_keys=True)
 
 
 def _decode(cursor: str) -> _State:
@@ -271,6 +282,10 @@ def _decode(cursor: str) -> _State:
             if moment.tzinfo is None or isinstance(priority, bool):
                 raise ValueError
             after[str(project)] = (int(priority), moment, str(run_id))
+        done = {str(project) for project in raw["d"]}
+        page = raw["n"]
+        if isinstance(page, bool) or not isinstance(page, int):
+            raise ValueError
     except (ValueError, TypeError, KeyError, AttributeError):
         raise ValueError("not a cursor of this source") from None
-    return _State(start, after)
+    return _State(start, after, done, page)

@@ -710,7 +710,16 @@ class FakeLeaseRecoverySource(_PagedSource):
 
 
 class FakeCandidateSource(_PagedSource):
-    """Fair pages (`dispatch.core.fairness`) over the store's queue groups."""
+    """Fair pages (`dispatch.core.fairness`) over the store's queue groups.
+
+    `emitted`, shared with the `FakePlanSource` of the same ports (as the ORM
+    adapters share a `CycleMemo`), collects the candidates handed out, so a
+    plan for one of them tells the rotation that its Project had its turn.
+    """
+
+    def __init__(self, store: FakeStore, emitted: set[str] | None = None) -> None:
+        super().__init__(store)
+        self.emitted = emitted
 
     def candidate_page(
         self,
@@ -723,7 +732,10 @@ class FakeCandidateSource(_PagedSource):
         self.calls.append({"observed_at": observed_at, "cursor": cursor, "limit": limit})
         _check_limit(limit)
         reader = FakeQueueReader(self.store, observed_at=observed_at, scope=scope)
-        return fair_page(reader, cursor=cursor, limit=limit, rotation=self.store.rotation)
+        page = fair_page(reader, cursor=cursor, limit=limit, rotation=self.store.rotation)
+        if self.emitted is not None:
+            self.emitted.update(item.attempt_id for item in page.items)
+        return page
 
 
 class FakeQueueReader:
@@ -904,16 +916,17 @@ class FakePlanSource:
     kept its own copy.
     """
 
-    def __init__(self, store: FakeStore) -> None:
+    def __init__(self, store: FakeStore, emitted: set[str] | None = None) -> None:
         self.store = store
+        self.emitted = emitted
         self.calls: list[Candidate] = []
         self.prepared: list[DispatchPlan] = []
 
     def prepare(self, candidate: Candidate) -> DispatchPlan:
         self.calls.append(candidate)
-        attempt = self.store.attempts.get(candidate.attempt_id)
-        if attempt is not None and attempt.state == "pending":
-            # A new candidate (not a recovered lease): its Project had its turn.
+        if self.emitted is not None and candidate.attempt_id in self.emitted:
+            # A candidate of this cycle (not a recovered lease): its Project
+            # had its turn (docs/adr/0012).
             self.store.rotation.served(candidate.project_id)
         plan = self._plan(candidate)
         self.prepared.append(plan)
@@ -1029,11 +1042,12 @@ def fake_ports(
     clock: Clock | None = None,
 ) -> DispatchPorts:
     """Fresh port objects over `store` (a "restarted" dispatcher), any replaced."""
+    emitted: set[str] = set()  # one cycle's candidates, as the ORM's CycleMemo
     return DispatchPorts(
         recovery=recovery or FakeLeaseRecoverySource(store),
-        candidates=candidates or FakeCandidateSource(store),
+        candidates=candidates or FakeCandidateSource(store, emitted),
         workers=workers or FakeWorkerSnapshotSource(store),
-        plans=plans or FakePlanSource(store),
+        plans=plans or FakePlanSource(store, emitted),
         claims=claims or FakeClaimPort(store),
         clock=clock or store.clock,
     )

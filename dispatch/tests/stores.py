@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db.models import F
@@ -69,10 +69,11 @@ class StoreBuilder(Protocol):
         max_concurrent_runs: int = 0,
         task_limit: int = 0,
         beside: str | None = None,
+        placement: dict[str, object] | None = None,
     ) -> str:
         """A Task in a Project of its own, or in the Project of Task `beside`
         (`max_concurrent_runs`: the new Project's quota; `task_limit`: the Task
-        revision's `max_concurrent_runs`; 0: none)."""
+        revision's `max_concurrent_runs`; 0: none; `placement`: the Task's)."""
         ...
 
     def edit_task(self, task: str) -> None:
@@ -219,10 +220,12 @@ class FakeStoreBuilder:
         max_concurrent_runs: int = 0,
         task_limit: int = 0,
         beside: str | None = None,
+        placement: dict[str, object] | None = None,
     ) -> str:
+        extra = {} if placement is None else {"placement": placement}
         _, task_id, _ = self.store.add_task(
             definition=testing.definition(
-                executor_type=executor_type, max_concurrent_runs=task_limit
+                executor_type=executor_type, max_concurrent_runs=task_limit, **extra
             ),
             project_id=None if beside is None else self.store.tasks[beside].project_id,
             max_concurrent_runs=max_concurrent_runs,
@@ -302,6 +305,7 @@ class OrmStoreBuilder:
         max_concurrent_runs: int = 0,
         task_limit: int = 0,
         beside: str | None = None,
+        placement: dict[str, object] | None = None,
     ) -> str:
         if beside is None:
             project = project_create(
@@ -311,8 +315,9 @@ class OrmStoreBuilder:
             )
         else:
             project = Task.objects.get(pk=int(beside)).project
+        extra: dict[str, Any] = {} if placement is None else {"placement": placement}
         task = testing.make_task(
-            project, executor_type=executor_type, max_concurrent_runs=task_limit
+            project, executor_type=executor_type, max_concurrent_runs=task_limit, **extra
         )
         return str(task.pk)
 
