@@ -135,6 +135,8 @@ class TaskAdmin(ReadOnlyAdmin):
 
 class AttemptInline(ReadOnlyInline):
     model = Attempt
+    # Each Attempt's own page (its output, events) is a click away from the Run's.
+    show_change_link = True
     fields = (
         "number",
         "state",

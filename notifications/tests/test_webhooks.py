@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from django.db import transaction
 from django.test import Client
+from django.urls import reverse
 from django.utils import timezone
 
 from dispatch.sweeps import sweep_stale_sessions, sweep_timed_out_attempts
@@ -510,10 +511,12 @@ def test_a_rotated_secret_signs_from_then_on(receiver):
 # ------------------------------------------------------------------- leaks
 
 
-def test_payloads_logs_and_rows_carry_no_command_env_cwd_token_or_secret(client, receiver, caplog):
+def test_payloads_logs_rows_and_admin_pages_carry_no_command_env_cwd_token_or_secret(
+    client, admin_client, receiver, caplog
+):
     caplog.set_level("DEBUG")
     project = make_project()
-    subscribe(receiver, project, ALL_RUN_EVENTS)
+    subscription = subscribe(receiver, project, ALL_RUN_EVENTS)
     _, tokens = run_to_the_end(
         client, project, "failed", exit_code=1, output_tail=f"oops {CANARY_ENV}"
     )
@@ -521,8 +524,21 @@ def test_payloads_logs_and_rows_carry_no_command_env_cwd_token_or_secret(client,
     stored = json.dumps(list(WebhookDelivery.objects.values()), default=str)
     sent = b"".join(r.body + json.dumps(r.headers).encode() for r in receiver.received).decode()
     logs = "\n".join(json.dumps(r.__dict__, default=repr) for r in caplog.records)
+    # The delivery log and the subscription in the admin (list and detail pages).
+    delivery = WebhookDelivery.objects.get()
+    pages = ""
+    for url in (
+        reverse("admin:notifications_webhookdelivery_changelist"),
+        reverse("admin:notifications_webhookdelivery_change", args=[delivery.pk]),
+        reverse("admin:notifications_webhooksubscription_changelist"),
+        reverse("admin:notifications_webhooksubscription_change", args=[subscription.pk]),
+    ):
+        response = admin_client.get(url)
+        assert response.status_code == 200, url
+        pages += response.content.decode()
+    assert str(delivery.delivery_id) in pages  # the log really was rendered
     secrets = [CANARY_COMMAND, CANARY_ENV, CANARY_CWD.rsplit("/", 1)[-1], receiver.secret, *tokens]
-    for haystack in (stored, sent, logs):
+    for haystack in (stored, sent, logs, pages):
         for secret in secrets:
             assert secret not in haystack
     assert receiver.events() == ["run.failed"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.test import Client
 from django.urls import reverse
@@ -108,6 +109,11 @@ def test_the_cancel_button_cancels_and_returns_to_the_run_page(admin_client, run
     assert response.status_code == 302
     assert response["Location"] == reverse("admin:runs_run_change", args=[run.pk])
     assert Run.objects.get(pk=run.pk).cancel_requested is True
+    [entry] = LogEntry.objects.filter(object_id=str(run.pk))
+    assert (entry.user.username, entry.change_message) == (
+        "admin",
+        "Action: Cancel selected runs (reason: wrong input)",
+    )
 
 
 def test_a_viewer_sees_the_output_but_no_cancel_button_and_cannot_cancel(client, running):

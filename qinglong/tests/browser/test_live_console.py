@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from playwright.sync_api import Page, expect
 
@@ -53,7 +56,9 @@ def ticker(tmp_path, settings):
             "command": [
                 "sh",
                 "-c",
-                f"echo $$ > {pid_file}; i=0; while true; do i=$((i+1)); "
+                # A long sleeper in the background too: only stopping the
+                # job's whole process group ends it.
+                f"sleep 300 & echo $$ > {pid_file}; i=0; while true; do i=$((i+1)); "
                 'echo "tick $i $TOKEN"; sleep 0.3; done',
             ],
             "env": {"TOKEN": SECRET},
@@ -78,14 +83,18 @@ def test_output_appears_and_grows_on_the_run_page_and_cancel_stops_the_process(
     run, credential_file, pid_file = ticker
     make_operator("operator", "runs.change_run")
     with serialized(live_server):
-        _watch_and_cancel(page, page_problems, screenshot_dir, live_server, run, credential_file)
-    pid = int(pid_file.read_text())
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+        _watch_and_cancel(
+            page, page_problems, screenshot_dir, live_server, run, credential_file, pid_file
+        )
     run.refresh_from_db()
     attempt = run.attempts.get()
     assert run.state == RunState.CANCELLED
     assert (attempt.state, attempt.error_code) == (AttemptState.FAILED, "cancelled")
+    # Who and why: the cancel left an admin LogEntry with the operator and the reason.
+    [(who, why)] = LogEntry.objects.filter(object_id=str(run.pk)).values_list(
+        "user__username", "change_message"
+    )
+    assert (who, why) == ("operator", "Action: Cancel selected runs (reason: stuck in a loop)")
     page.reload()
     expect(page.locator(".field-state .readonly")).to_have_text("Cancelled")
     expect(page.locator(".ql-cancel-button")).to_have_count(0)  # nothing left to cancel
@@ -93,9 +102,24 @@ def test_output_appears_and_grows_on_the_run_page_and_cancel_stops_the_process(
     assert page_problems == []
 
 
-def _watch_and_cancel(page, page_problems, screenshot_dir, live_server, run, credential_file):
-    """The agent runs the ticker; the operator watches it grow and cancels it."""
-    proc = agent(live_server, credential_file, "--once")
+def _process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _watch_and_cancel(
+    page, page_problems, screenshot_dir, live_server, run, credential_file, pid_file
+):
+    """The agent runs the ticker; the operator watches it grow and cancels it.
+
+    The agent keeps running after the cancel (no --once), so the process it
+    ran can only have ended because the cancel stopped it, not because its
+    agent exited (the agent's children die with it).
+    """
+    proc = agent(live_server, credential_file)
     try:
         log_in(page, "operator")
         page.goto(f"/admin/runs/run/{run.pk}/change/")
@@ -116,14 +140,36 @@ def _watch_and_cancel(page, page_problems, screenshot_dir, live_server, run, cre
         assert SECRET not in later and "[redacted]" in later
         expect(page.locator(".ql-output-state")).to_have_text("running")
         page.screenshot(path=screenshot_dir / "run-page-live-output.png", full_page=True)
+        pgid = int(pid_file.read_text())  # the job leads its own process group
+        assert _process_group_alive(pgid)
+
+        # The Attempt's own page shows the tail and follows it too.
+        attempt_link = page.locator('#attempts-group a[href*="/admin/runs/attempt/"]').first
+        attempt_link.click()
+        expect(page).to_have_url(re.compile(r"/admin/runs/attempt/\d+/change/$"))
+        on_attempt = _output_text(page)
+        shown = max(int(n) for n in re.findall(r"tick (\d+)", on_attempt))
+        expect(text).to_contain_text(f"tick {shown + 3} ", timeout=15_000)
+        assert _output_text(page).startswith(on_attempt.rstrip())
+        assert SECRET not in _output_text(page)
 
         # Cancel from the Run page: a reason, one click, back on the same page.
+        page.goto(f"/admin/runs/run/{run.pk}/change/")
         page.fill(".ql-cancel-reason", "stuck in a loop")
         page.click(".ql-cancel-button")
         expect(page).to_have_url(re.compile(rf"/admin/runs/run/{run.pk}/change/$"))
         expect(page.locator(".messagelist")).to_contain_text("Cancelled 1 run(s)")
         # The Worker stops the process; the page sees the Attempt end.
         expect(page.locator(".ql-output-status")).to_contain_text("ended", timeout=30_000)
+        # The job and everything in its group (the background sleeper too) are
+        # gone while their agent lives on. The terminal ACK follows the job's own
+        # exit; the rest of its group gets the signal with it and is let die.
+        deadline = time.monotonic() + 10
+        while _process_group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _process_group_alive(pgid), "the cancelled job's processes live on"
+        assert proc.poll() is None, "the agent exited: it, not the cancel, may have ended them"
+        proc.send_signal(signal.SIGTERM)  # nothing left to drain: it exits
         _out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
