@@ -13,11 +13,14 @@
   Django neither offers nor runs it for a user without it; pages whose fields
   are all read-only grant no change permission at all. The table of who may
   do what is in the README ("Admin permissions").
-- Who and why (`ReasonedActions`, a base of every console admin): an action
-  runs only with a reason typed beside it, and writes one admin LogEntry per
-  selected object naming the user, the action and the reason (the object's
-  History page and the index's "Recent actions" show it). Django's own
-  "delete selected" keeps its confirmation page and logs each deletion.
+- Who and why (`ReasonedActions`, a base of every console admin, and of the
+  auth User and Group admins): an action runs only with a reason typed beside
+  it, and writes one admin LogEntry per selected object naming the user, the
+  action and the reason (the object's History page and the index's "Recent
+  actions" show it). Deleting is no exception: "delete selected" needs the
+  reason before its confirmation page (which carries it on), the delete page
+  of one object asks for it, and each deletion's LogEntry (DELETION) says
+  "Deleted (reason: …)".
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from typing import TYPE_CHECKING, Any, Final
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ActionForm
-from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.db.models import Model, QuerySet
 from django.db.models.constants import LOOKUP_SEP
-from django.http import HttpRequest, HttpResponseBase
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, HttpResponseRedirect
+from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.html import format_html
 
@@ -55,8 +59,10 @@ def touches_digest(lookup: str) -> bool:
 
 
 REASON_MAX_LENGTH: Final = 200
-# Django's own action: its confirmation page and its deletion log stay as they are.
-_UNWRAPPED_ACTIONS: Final = frozenset({"delete_selected"})
+# Django's own action: a reason first, then its confirmation page (which carries
+# the reason on) and its deletion log (which records it: `log_deletions`).
+_DELETE_ACTION: Final = "delete_selected"
+_NO_REASON: Final = "Nothing done: an action needs a reason (type it in the Reason box)."
 
 ActionFunc = Callable[[Any, HttpRequest, "QuerySet[Any]"], "HttpResponseBase | None"]
 
@@ -99,11 +105,7 @@ def _reasoned(func: ActionFunc, description: str) -> ActionFunc:
     ) -> HttpResponseBase | None:
         reason = action_reason(request)
         if not reason:
-            model_admin.message_user(
-                request,
-                "Nothing done: an action needs a reason (type it in the Reason box).",
-                messages.ERROR,
-            )
+            model_admin.message_user(request, _NO_REASON, messages.ERROR)
             return None
         # Read before acting: the rows the operator selected, as they were.
         selected = list(queryset)
@@ -114,20 +116,70 @@ def _reasoned(func: ActionFunc, description: str) -> ActionFunc:
     return action
 
 
+def _reasoned_delete(func: ActionFunc) -> ActionFunc:
+    """Django's "delete selected", once a reason is given; its confirmation page
+    posts the reason back with the "yes" (`delete_selected_confirmation.html`)."""
+
+    @functools.wraps(func)
+    def action(
+        model_admin: Any, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> HttpResponseBase | None:
+        if not action_reason(request):
+            model_admin.message_user(request, _NO_REASON, messages.ERROR)
+            return None
+        response = func(model_admin, request, queryset)
+        if isinstance(response, TemplateResponse) and response.context_data is not None:
+            response.context_data["reason"] = action_reason(request)  # the confirmation page
+        return response
+
+    return action
+
+
 class ReasonedActions(ModelAdminBase):
-    """Every action of this admin needs a reason and leaves an admin LogEntry."""
+    """Every action of this admin, deleting too, needs a reason and leaves an admin LogEntry."""
 
     action_form = ReasonActionForm
+    delete_selected_confirmation_template = "admin/qinglong/delete_selected_confirmation.html"
+    delete_confirmation_template = "admin/qinglong/delete_confirmation.html"
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         # Django has already dropped the actions this user may not run.
         actions: dict[str, Any] = super().get_actions(request)
-        return {
-            name: entry
-            if name in _UNWRAPPED_ACTIONS
-            else (_reasoned(entry[0], str(entry[2])), entry[1], entry[2])
-            for name, entry in actions.items()
-        }
+        wrapped: dict[str, Any] = {}
+        for name, (func, action_name, description) in actions.items():
+            if name == _DELETE_ACTION:
+                func = _reasoned_delete(func)
+            else:
+                func = _reasoned(func, str(description))
+            wrapped[name] = (func, action_name, description)
+        return wrapped
+
+    def delete_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # The page asks for a reason; a confirmation without one deletes nothing.
+        # (Who may not delete at all gets Django's answer: 403.)
+        if (
+            request.method == "POST"
+            and self.has_delete_permission(request)
+            and not action_reason(request)
+        ):
+            self.message_user(request, "Nothing deleted: deleting needs a reason.", messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
+        response: HttpResponse = super().delete_view(request, object_id, extra_context)
+        return response
+
+    def log_deletions(self, request: HttpRequest, queryset: Any) -> Any:
+        """One DELETION LogEntry per object: who, and the reason (checked before)."""
+        user_id = request.user.pk
+        if user_id is None:
+            return []
+        return LogEntry.objects.log_actions(
+            user_id=user_id,
+            queryset=list(queryset),
+            action_flag=DELETION,
+            change_message=f"Deleted (reason: {action_reason(request)})",
+        )
 
 
 class DigestLookupGuard(ReasonedActions):

@@ -26,3 +26,18 @@ class QinglongAdminConfig(AdminConfig):
 
         if admin.site.is_registered(TokenProxy):
             admin.site.unregister(TokenProxy)
+
+        # Users and groups are changed in the console too: their actions (delete
+        # selected) and delete pages need a reason and log it, like every other.
+        from django.contrib.auth.models import Group, User
+
+        from qinglong.admin import ReasonedActions
+
+        for model in (User, Group):
+            if admin.site.is_registered(model):
+                stock = type(admin.site.get_model_admin(model))
+                if not issubclass(stock, ReasonedActions):
+                    admin.site.unregister(model)
+                    admin.site.register(
+                        model, type(f"Reasoned{stock.__name__}", (ReasonedActions, stock), {})
+                    )

@@ -350,3 +350,92 @@ def test_the_reason_box_sits_in_the_action_bar(admin_client):
     page = admin_client.get(reverse("admin:runs_run_changelist")).content.decode()
     assert 'name="reason"' in page
     assert 'placeholder="why (logged)"' in page
+
+
+def test_deleting_selected_needs_a_reason_which_the_confirmation_carries_to_the_log(
+    admin_client,
+):
+    from django.contrib.admin.models import DELETION
+
+    from runs.models import Project
+
+    spare = make_project("spare")
+    url = reverse("admin:runs_project_changelist")
+    refused = admin_client.post(
+        url, {"action": "delete_selected", "_selected_action": [spare.pk]}, follow=True
+    )
+    assert any("needs a reason" in m for m in messages_of(refused))
+    assert "Are you sure" not in refused.content.decode()
+    # With a reason: the confirmation page shows it and posts it back with the yes.
+    confirm = admin_client.post(
+        url,
+        {"action": "delete_selected", "_selected_action": [spare.pk], "reason": "typo in slug"},
+    ).content.decode()
+    assert "Are you sure" in confirm
+    assert '<input type="hidden" name="reason" value="typo in slug">' in confirm
+    assert Project.objects.filter(pk=spare.pk).exists()
+    admin_client.post(
+        url,
+        {
+            "action": "delete_selected",
+            "_selected_action": [spare.pk],
+            "reason": "typo in slug",
+            "post": "yes",
+        },
+    )
+    assert not Project.objects.filter(pk=spare.pk).exists()
+    [entry] = LogEntry.objects.filter(object_id=str(spare.pk))
+    assert (entry.user.username, entry.action_flag, entry.change_message) == (
+        "admin",
+        DELETION,
+        "Deleted (reason: typo in slug)",
+    )
+
+
+def test_an_objects_delete_page_asks_for_a_reason_and_logs_it(admin_client):
+    from django.contrib.admin.models import DELETION
+
+    from runs.models import Project
+
+    spare = make_project("spare")
+    url = reverse("admin:runs_project_delete", args=[spare.pk])
+    page = admin_client.get(url).content.decode()
+    assert 'name="reason"' in page and "required" in page
+    refused = admin_client.post(url, {"post": "yes", "reason": " "}, follow=True)
+    assert any("needs a reason" in m for m in messages_of(refused))
+    assert Project.objects.filter(pk=spare.pk).exists()
+    assert not LogEntry.objects.exists()
+    admin_client.post(url, {"post": "yes", "reason": "made by mistake"})
+    assert not Project.objects.filter(pk=spare.pk).exists()
+    [entry] = LogEntry.objects.all()
+    assert (entry.object_id, entry.action_flag, entry.change_message) == (
+        str(spare.pk),
+        DELETION,
+        "Deleted (reason: made by mistake)",
+    )
+
+
+def test_users_and_groups_are_deleted_with_a_reason_too(admin_client):
+    from django.contrib.auth.models import Group, User
+
+    from qinglong.admin import ReasonedActions
+
+    for model in (User, Group):
+        assert isinstance(admin.site.get_model_admin(model), ReasonedActions), model
+    spare = User.objects.create_user("leaver")
+    url = reverse("admin:auth_user_changelist")
+    admin_client.post(
+        url, {"action": "delete_selected", "_selected_action": [spare.pk], "post": "yes"}
+    )
+    assert User.objects.filter(pk=spare.pk).exists()
+    admin_client.post(
+        url,
+        {
+            "action": "delete_selected",
+            "_selected_action": [spare.pk],
+            "post": "yes",
+            "reason": "left the team",
+        },
+    )
+    assert not User.objects.filter(pk=spare.pk).exists()
+    assert LogEntry.objects.get().change_message == "Deleted (reason: left the team)"
