@@ -149,3 +149,102 @@ def test_four_evaluator_processes_fire_every_second_exactly_once() -> None:
         Run.objects.filter(schedule__isnull=False).values_list("id", flat=True)
     )
     assert ScheduleFire.objects.count() >= SCHEDULES * BACKLOG
+
+
+def _race(*calls):
+    """Run the calls at the same instant, one thread and connection each."""
+    import threading
+
+    barrier = threading.Barrier(len(calls))
+    results: list[object] = [None] * len(calls)
+
+    def runner(index: int, call) -> None:
+        try:
+            barrier.wait()
+            results[index] = call()
+        except Exception as err:  # reported through the result
+            results[index] = err
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=runner, args=item) for item in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive(), "a racer hung"
+    return results
+
+
+def _covering(schedule: Schedule, instant) -> int:
+    from schedules.selectors import covering
+
+    return ScheduleFire.objects.filter(covering(instant), schedule=schedule, manual=False).count()
+
+
+def test_a_manual_resume_racing_the_resume_at_records_the_pause_once() -> None:
+    from schedules.services import schedule_pause, schedule_resume, schedules_evaluate
+
+    task = make_task()
+    for round_no in range(4):
+        base = db_now()
+        schedule = schedule_create(
+            task=task,
+            name=f"resume{round_no}",
+            definition={"cron": "* * * * * *", "overlap_policy": "allow"},
+            now=base,
+        )
+        resume_at = base + timedelta(seconds=5)
+        schedule_pause(
+            schedule_id=schedule.pk, actor="ops", reason="r", resume_at=resume_at, now=base
+        )
+        moment = resume_at + timedelta(seconds=2)
+        by_hand, by_itself = _race(
+            lambda s=schedule, m=moment: schedule_resume(schedule_id=s.pk, actor="ops", now=m),
+            lambda m=moment: schedules_evaluate(now=m),
+        )
+        assert not isinstance(by_hand, Exception), by_hand
+        assert not isinstance(by_itself, Exception), by_itself
+        schedule.refresh_from_db()
+        assert not schedule.paused
+        paused = list(ScheduleFire.objects.filter(schedule=schedule, outcome=FireOutcome.PAUSED))
+        assert len(paused) == 1
+        # Whoever won, every fire up to the cursor is accounted for once.
+        for fire in schedule_cron(schedule).fires(base, limit=100):
+            if schedule.next_fire_at is None or fire >= schedule.next_fire_at:
+                break
+            assert _covering(schedule, fire) == 1, fire
+
+
+def test_a_pause_racing_the_evaluation_of_a_due_fire_decides_it_once() -> None:
+    from schedules.services import schedule_pause, schedule_resume, schedules_evaluate
+
+    task = make_task()
+    for round_no in range(4):
+        base = db_now()
+        schedule = schedule_create(
+            task=task,
+            name=f"pause{round_no}",
+            definition={"cron": "* * * * * *", "overlap_policy": "allow"},
+            now=base,
+        )
+        due = schedule.next_fire_at
+        assert due is not None
+        moment = due + timedelta(milliseconds=500)
+        paused, evaluated = _race(
+            lambda s=schedule, m=moment: schedule_pause(
+                schedule_id=s.pk, actor="ops", reason="r", now=m
+            ),
+            lambda m=moment: schedules_evaluate(now=m),
+        )
+        assert not isinstance(paused, Exception), paused
+        assert not isinstance(evaluated, Exception), evaluated
+        schedule_resume(schedule_id=schedule.pk, actor="ops", now=moment + timedelta(seconds=3))
+        # The due fire is either enqueued (the evaluator first) or part of
+        # the paused stretch (the pause first): exactly one row covers it.
+        assert _covering(schedule, due) == 1
+        rows = ScheduleFire.objects.filter(schedule=schedule).order_by("fire_at")
+        assert rows[0].fire_at == due
+        assert rows[0].outcome in (FireOutcome.ENQUEUED, FireOutcome.PAUSED)
+        runs = Run.objects.filter(schedule=schedule).count()
+        assert runs == (1 if rows[0].outcome == FireOutcome.ENQUEUED else 0)
