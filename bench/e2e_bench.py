@@ -583,6 +583,8 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         command += ["--state-dir", str(logdir / f"agent{index}.state")]
         if args.long_poll:
             command += ["--long-poll", str(args.long_poll)]
+        if not args.batch_acks:
+            command += ["--no-batch-acks"]
         procs.start(f"agent{index}", command, agent_env)
     _wait(
         f"{args.agents} online Sessions",
@@ -914,6 +916,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--slots", type=int, default=8, help="slots per agent")
     add("--poll-interval", type=float, default=0.05, help="agent --poll-interval (s)")
     add("--long-poll", type=int, default=0, help="agent --long-poll and QL_PULL_WAIT_MAX_S")
+    add(
+        "--no-batch-acks",
+        dest="batch_acks",
+        action="store_false",
+        help="agents send one ACK per request (--no-batch-acks), as before #12's POST acks",
+    )
     add("--web-workers", type=int, default=2, help="gunicorn worker processes")
     add("--web-threads", type=int, default=8, help="gunicorn threads per worker")
     add("--celery", action="store_true", help="Celery worker + beat instead of run_dispatcher")
@@ -993,6 +1001,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"config: {args.runs} Runs of `true`, {args.agents} agents x {args.slots} slots "
             f"(--poll-interval {args.poll_interval}"
             + (f", --long-poll {args.long_poll}" if args.long_poll else "")
+            + ("" if args.batch_acks else ", --no-batch-acks")
             + f"), gunicorn {args.web_workers}x{args.web_threads}, {dispatcher}, "
             f"pull throttle {args.pull_throttle}, "
             f"DB_CONN_MAX_AGE={os.environ.get('DB_CONN_MAX_AGE', '60 (default)')}, "

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Final
 
-from django.db import transaction
+from django.db import connection, transaction
 
 from dispatch.core.offer import token_digest, tokens_equal
 from dispatch.core.policy import spec_matches_lease
@@ -36,7 +36,7 @@ from leases.errors import (
     LostRace,
     Outcome,
 )
-from leases.locks import LeaseChain, lock_lease_for_ack
+from leases.locks import LeaseChain, lock_lease_for_ack, lock_leases_for_acks
 from leases.models import LeaseState, RunLease
 from leases.timeout import attempt_overdue
 from leases.transitions import AttemptReport, lease_transition
@@ -50,9 +50,11 @@ __all__ = [
     "ACK_PHASE_DEPENDENT_FIELDS",
     "ACK_PHASE_FIELDS",
     "PHASE_TARGET",
+    "AckItem",
     "AckPhase",
     "AckResult",
     "lease_ack",
+    "lease_ack_each",
 ]
 
 logger = logging.getLogger("qinglong.dispatch")
@@ -150,58 +152,198 @@ def lease_ack(
     phase's writes in one (`leases.writes`). A failed start or run (retry
     policy) and the end of a cancelled Run go through `leases.end.attempt_finish`.
     """
+    item = AckItem(
+        offer_id=offer_id,
+        phase=phase,
+        lease_token=lease_token,
+        spec_sha256=spec_sha256,
+        executor_handle=executor_handle,
+        exit_code=exit_code,
+        error_code=error_code,
+        output_tail=output_tail,
+    )
     try:
         with transaction.atomic(durable=True):
             chain = lock_lease_for_ack(offer_id=offer_id, session_pk=session.pk)
             if chain is None:
                 raise _refused(offer_id, session)
-            assert chain.session is not None and chain.now is not None
-            run, attempt, lease, now = chain.run, chain.attempt, chain.lease, chain.now
-            _authorize(lease, session=session, lease_token=lease_token)
-            if not policy.session_may_act(chain.session, generation=lease.session_generation):
-                # Fenced between authentication and this lock: the replacement
-                # ends this lease, so nothing may start or finish under it.
-                raise LeaseConflict(
-                    "the session is no longer current", code=f"session_{chain.session.state}"
-                )
-            if not spec_matches_lease(spec_sha256, lease.spec_digest):
-                raise LeaseConflict("spec_sha256 differs from the lease", code="spec_mismatch")
-            target = PHASE_TARGET[phase]
-            if attempt.lease_generation == lease.lease_generation and attempt.state == target:
-                return _result(offer_id, attempt, run, Outcome.UNCHANGED)
-            if lease.state != LeaseState.ACTIVE:
-                raise LeaseConflict(f"the lease is {lease.state}", code=f"lease_{lease.state}")
-            if not policy.lease_is_live(lease, now=now):
-                raise LeaseConflict("the lease has expired", code="lease_expired")
-            if attempt.lease_generation != lease.lease_generation:
-                raise LeaseConflict("the lease is stale", code="lease_stale")
-            _apply(
-                phase,
-                chain,
-                now=now,
-                actor=f"worker:{session.worker_id}",
-                executor_handle=executor_handle,
-                exit_code=exit_code,
-                error_code=error_code,
-                output_tail=output_tail,
-            )
+            outcome = _ack_in_chain(chain, item, session=session)
     except IllegalTransition as err:
-        raise LeaseConflict(
-            f"{phase} is not allowed after {err.from_state}", code="illegal_phase"
-        ) from None
+        raise _illegal(phase, err) from None
     except LostRace:
         LOST_RACES.labels(operation="ack").inc()
-        raise LeaseConflict("the lease changed concurrently", code="lease_conflict") from None
+        raise _lost_race() from None
+    if outcome is Outcome.APPLIED:
+        _log_applied(chain, phase)
+    return _result(offer_id, chain.attempt, chain.run, outcome)
+
+
+@dataclass(frozen=True)
+class AckItem:
+    """One ACK of several sent together (`lease_ack_each`): `lease_ack`'s arguments."""
+
+    offer_id: str
+    phase: AckPhase
+    lease_token: str
+    spec_sha256: str
+    executor_handle: str = ""
+    exit_code: int | None = None
+    error_code: str = ""
+    output_tail: str = ""
+
+
+def _illegal(phase: AckPhase, err: IllegalTransition) -> LeaseConflict:
+    return LeaseConflict(f"{phase} is not allowed after {err.from_state}", code="illegal_phase")
+
+
+def _lost_race() -> LeaseConflict:
+    return LeaseConflict("the lease changed concurrently", code="lease_conflict")
+
+
+def _log_applied(chain: LeaseChain, phase: AckPhase) -> None:
     logger.info(
         "lease ack",
         extra={
             "event": "lease_ack",
-            "lease_id": lease.pk,
+            "lease_id": chain.lease.pk,
             "phase": str(phase),
-            "attempt_state": attempt.state,
+            "attempt_state": chain.attempt.state,
         },
     )
-    return _result(offer_id, attempt, run, Outcome.APPLIED)
+
+
+def _ack_in_chain(chain: LeaseChain, item: AckItem, *, session: WorkerSession) -> Outcome:
+    """One ACK under its chain's locks: every check, then the phase's writes.
+
+    Raises `LeaseError` (always before anything is written),
+    `IllegalTransition` or `LostRace` (see `_writes_in_steps`).
+    """
+    assert chain.session is not None and chain.now is not None
+    attempt, lease, now = chain.attempt, chain.lease, chain.now
+    _authorize(lease, session=session, lease_token=item.lease_token)
+    if not policy.session_may_act(chain.session, generation=lease.session_generation):
+        # Fenced between authentication and this lock: the replacement
+        # ends this lease, so nothing may start or finish under it.
+        raise LeaseConflict(
+            "the session is no longer current", code=f"session_{chain.session.state}"
+        )
+    if not spec_matches_lease(item.spec_sha256, lease.spec_digest):
+        raise LeaseConflict("spec_sha256 differs from the lease", code="spec_mismatch")
+    target = PHASE_TARGET[item.phase]
+    if attempt.lease_generation == lease.lease_generation and attempt.state == target:
+        return Outcome.UNCHANGED
+    if lease.state != LeaseState.ACTIVE:
+        raise LeaseConflict(f"the lease is {lease.state}", code=f"lease_{lease.state}")
+    if not policy.lease_is_live(lease, now=now):
+        raise LeaseConflict("the lease has expired", code="lease_expired")
+    if attempt.lease_generation != lease.lease_generation:
+        raise LeaseConflict("the lease is stale", code="lease_stale")
+    _apply(
+        item.phase,
+        chain,
+        now=now,
+        actor=f"worker:{session.worker_id}",
+        executor_handle=item.executor_handle,
+        exit_code=item.exit_code,
+        error_code=item.error_code,
+        output_tail=item.output_tail,
+    )
+    return Outcome.APPLIED
+
+
+class _Unsure(Exception):
+    """An ACK of a batch failed among its writes (a lost race, an illegal
+    transition found after a first write): the rows it read may no longer be
+    what the later ACKs should be decided on, so the batch rolls back and
+    every ACK is applied again on its own."""
+
+
+def lease_ack_each(
+    *, session: WorkerSession, items: Sequence[AckItem]
+) -> Iterator[AckResult | LeaseError]:
+    """Apply several ACKs of one Session in the order given, each exactly as
+    `lease_ack` applies one — its own authorization (this Session's lease, its
+    own lease token), its own checks, compare-and-sets and history rows, its
+    own answer; a refused one (a `LeaseError`, yielded, not raised) changes
+    nothing and stops no other (docs/adr/0013).
+
+    On PostgreSQL the ACKs share one transaction: every lease's rows locked in
+    one statement in the lock order (`leases.locks.lock_leases_for_acks`: all
+    Runs and Attempts sorted by Run id, then the Session, then the leases
+    sorted by id — never one lease's Session before another's Run), then each
+    ACK's checks and writes, then one commit. A refusal is decided before its
+    ACK writes anything. Should an ACK fail among its writes (a lost race,
+    which the locks exclude, or an illegal transition an ending through
+    `attempt_finish` finds after its first write), the whole transaction rolls
+    back and every ACK is applied again on its own, as on SQLite (which
+    serializes writers anyway) or for a single ACK.
+
+    A database error stops the iteration: with one transaction nothing was
+    applied; one by one, the ACKs yielded before it were.
+    """
+    if len(items) < 2 or connection.vendor != "postgresql":
+        yield from _each_alone(session, items)
+        return
+    try:
+        answers, applied = _all_in_one_transaction(session, items)
+    except _Unsure:
+        LOST_RACES.labels(operation="ack").inc()
+        yield from _each_alone(session, items)
+        return
+    for chain, phase in applied:
+        _log_applied(chain, phase)
+    yield from answers
+
+
+def _each_alone(
+    session: WorkerSession, items: Sequence[AckItem]
+) -> Iterator[AckResult | LeaseError]:
+    for item in items:
+        try:
+            yield lease_ack(session=session, **asdict(item))
+        except LeaseError as err:
+            yield err
+
+
+def _writes_in_steps(item: AckItem, chain: LeaseChain) -> bool:
+    """Whether `_apply` ends this ACK through `attempt_finish`: statement after
+    statement, so an `IllegalTransition` may come after a first write. Every
+    other phase checks its transitions before its one writing statement."""
+    if item.phase in (AckPhase.FAILED, AckPhase.START_FAILED):
+        return True
+    return item.phase is AckPhase.SUCCEEDED and chain.run.cancel_requested
+
+
+def _all_in_one_transaction(
+    session: WorkerSession, items: Sequence[AckItem]
+) -> tuple[list[AckResult | LeaseError], list[tuple[LeaseChain, AckPhase]]]:
+    answers: list[AckResult | LeaseError] = []
+    applied: list[tuple[LeaseChain, AckPhase]] = []
+    with transaction.atomic(durable=True):
+        chains = lock_leases_for_acks(
+            offer_ids=[item.offer_id for item in items], session_pk=session.pk
+        )
+        for item in items:
+            chain = chains.get(item.offer_id)
+            if chain is None:
+                answers.append(_refused(item.offer_id, session))
+                continue
+            try:
+                outcome = _ack_in_chain(chain, item, session=session)
+            except LeaseError as err:
+                answers.append(err)  # decided before anything was written
+                continue
+            except IllegalTransition as err:
+                if _writes_in_steps(item, chain):
+                    raise _Unsure from None  # perhaps found among its writes
+                answers.append(_illegal(item.phase, err))  # checked before writing
+                continue
+            except LostRace:
+                raise _Unsure from None
+            if outcome is Outcome.APPLIED:
+                applied.append((chain, item.phase))
+            answers.append(_result(item.offer_id, chain.attempt, chain.run, outcome))
+    return answers, applied
 
 
 def _apply(

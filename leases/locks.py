@@ -55,6 +55,7 @@ __all__ = [
     "lock_lease",
     "lock_lease_chain",
     "lock_lease_for_ack",
+    "lock_leases_for_acks",
     "lock_project",
     "lock_run",
     "lock_session",
@@ -348,6 +349,102 @@ def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
     lease.run, lease.attempt, lease.session = run, attempt, session
     now = row[offset] if postgres else timezone.now()
     return LeaseChain(run=run, attempt=attempt, session=session, lease=lease, now=now)
+
+
+def _aliased(part: ModelColumns[Any]) -> str:
+    """`part`'s columns, each named `<alias>_<column>` (unique across models)."""
+    qn = connection.ops.quote_name
+    return ", ".join(
+        f"{part.alias}.{qn(field.column)} AS {qn(part.alias + '_' + field.column)}"
+        for field in part.fields
+    )
+
+
+def _names(part: ModelColumns[Any], table: str) -> str:
+    qn = connection.ops.quote_name
+    return ", ".join(f"{table}.{qn(part.alias + '_' + field.column)}" for field in part.fields)
+
+
+_ACKS_SQL: dict[str, str] = {}
+
+
+def _acks_sql() -> str:
+    found = _ACKS_SQL.get(connection.vendor)
+    if found is not None:
+        return found
+    qn = connection.ops.quote_name
+    lease = qn(RunLease._meta.db_table)
+    # `ra`: every Run and Attempt (with the pinned revision, not locked),
+    # sorted by Run id; `s`: the Session, read only once `ra` is complete
+    # (its WHERE counts `ra`); `ll`: the leases, sorted by id, once `s` is.
+    found = f"""
+        WITH ra AS MATERIALIZED (
+            SELECT {_aliased(_ACK_RUN)}, {_aliased(_ACK_REVISION)}, {_aliased(_ACK_ATTEMPT)},
+                   l.{qn("id")} AS lease_id
+            FROM {lease} l
+            JOIN {qn(Run._meta.db_table)} r ON r.{qn("id")} = l.{qn("run_id")}
+            JOIN {qn(TaskRevision._meta.db_table)} v ON v.{qn("id")} = r.{qn("task_revision_id")}
+            JOIN {qn(Attempt._meta.db_table)} a ON a.{qn("id")} = l.{qn("attempt_id")}
+            WHERE l.{qn("offer_id")} = ANY(%s::varchar[]) AND l.{qn("session_id")} = %s
+            ORDER BY r.{qn("id")}, a.{qn("id")}
+            FOR UPDATE OF r, a
+        ),
+        s AS MATERIALIZED (
+            SELECT {_aliased(_ACK_SESSION)} FROM {qn(WorkerSession._meta.db_table)} s
+            WHERE s.{qn("id")} = %s AND (SELECT count(*) FROM ra) > 0
+            FOR NO KEY UPDATE OF s
+        ),
+        ll AS MATERIALIZED (
+            SELECT {_aliased(_ACK_LEASE)} FROM {lease} l
+            WHERE l.{qn("id")} IN (SELECT ra.lease_id FROM ra) AND (SELECT count(*) FROM s) > 0
+            ORDER BY l.{qn("id")}
+            FOR UPDATE OF l
+        )
+        SELECT {_names(_ACK_RUN, "ra")}, {_names(_ACK_REVISION, "ra")},
+               {_names(_ACK_ATTEMPT, "ra")}, {_names(_ACK_SESSION, "s")},
+               {_names(_ACK_LEASE, "ll")}, statement_timestamp()
+        FROM ra JOIN ll ON ll.{qn("l_id")} = ra.lease_id CROSS JOIN s
+    """  # noqa: S608  (names from model metadata; values are parameters)
+    _ACKS_SQL[connection.vendor] = found
+    return found
+
+
+def lock_leases_for_acks(*, offer_ids: Sequence[str], session_pk: int) -> dict[str, LeaseChain]:
+    """The chains of several of this Session's leases, locked in one statement
+    (PostgreSQL): every Run and Attempt, sorted by Run id, then the Session,
+    then every lease, sorted by id — the lock order, and rows of one kind in
+    ascending id like a page of claims (below), so this waits in no cycle
+    with a single ACK, a claim, a cancel or another batch (docs/adr/0013).
+
+    Found by offer id *and* this Session (another Session's lease locks
+    nothing and is simply absent from the answer); loaded like
+    `lock_lease_for_ack`'s rows, one `LeaseChain` per offer id found, all
+    sharing the one Session instance and `now` (the statement's clock).
+    """
+    assert connection.vendor == "postgresql", "several ACKs lock in one statement on PostgreSQL"
+    unique = sorted(set(offer_ids))
+    with connection.cursor() as cursor:
+        cursor.execute(_acks_sql(), [unique, session_pk, session_pk])
+        rows = cursor.fetchall()
+    chains: dict[str, LeaseChain] = {}
+    session: WorkerSession | None = None
+    for row in rows:
+        loaded = []
+        offset = 0
+        for part in _ACK_PARTS:
+            loaded.append(part.load(row[offset : offset + len(part)]))
+            offset += len(part)
+        run, revision, attempt, row_session, lease = loaded
+        assert isinstance(run, Run) and isinstance(revision, TaskRevision)
+        assert isinstance(attempt, Attempt) and isinstance(row_session, WorkerSession)
+        assert isinstance(lease, RunLease)
+        session = session or row_session
+        run.task_revision = revision
+        lease.run, lease.attempt, lease.session = run, attempt, session
+        chains[lease.offer_id] = LeaseChain(
+            run=run, attempt=attempt, session=session, lease=lease, now=row[offset]
+        )
+    return chains
 
 
 # ------------------------------------------------ a page of claims at once

@@ -60,6 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"Seconds between SIGTERM and SIGKILL when a process group is stopped "
         f"(default {STOP_GRACE_S:g}).",
     )
+    parser.add_argument(
+        "--no-batch-acks",
+        dest="batch_acks",
+        action="store_false",
+        help="Send every ACK in a request of its own (POST leases/{offer_id}/ack) instead of "
+        "several per request (POST acks); the agent falls back to this by itself when the "
+        "control plane has no POST acks.",
+    )
     parser.add_argument("--once", action="store_true", help="One pull; run its offers; exit.")
     args = parser.parse_args(argv)
     if args.slots < 1:
@@ -97,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         poll_interval_s=args.poll_interval,
         long_poll_s=max(0, args.long_poll),
         stop_grace_s=args.stop_grace,
+        batch_acks=args.batch_acks,
     )
 
     def stop(signum: int, frame: FrameType | None) -> None:

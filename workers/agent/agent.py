@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.agent import AGENT_VERSION, procfs
+from workers.agent.acks import AckSender
 from workers.agent.journal import (
     LIVE_PHASES,
     Execution,
@@ -120,6 +121,9 @@ class SessionHandle:
     # (or the Session open) was SENT: the server recorded it later, so a fence
     # counted from here always comes before the server's own verdict.
     accepted_at: float = field(default_factory=time.monotonic)
+    # Where the Session's runners send their ACKs, several per request
+    # (workers/agent/acks.py); None: one request per ACK.
+    acks: AckSender | None = None
 
     def __repr__(self) -> str:
         return f"SessionHandle(session_id={self.session_id!r}, generation={self.generation})"
@@ -157,6 +161,7 @@ class Agent:
         rng: Callable[[], float] | None = None,
         sleep: Callable[[float], None] | None = None,
         live_output: bool = True,
+        batch_acks: bool = True,
     ) -> None:
         self.transport = transport
         self.credential = credential
@@ -172,6 +177,8 @@ class Agent:
         self._rng = rng
         # Send running Attempts' output as it is written (workers/agent/output.py).
         self.live_output = live_output
+        # Several ACKs per request (POST acks, docs/adr/0013).
+        self.batch_acks = batch_acks
         # Drain: pull nothing more, finish and report what runs, then exit.
         self.stopping = threading.Event()
         # Stop now: end every process; the journal keeps what is owed.
@@ -267,6 +274,8 @@ class Agent:
             ),
             accepted_at=sent,
         )
+        if self.batch_acks:
+            session.acks = AckSender(self.transport, token=session.token, log=log)
         # Before any offer of it: a restarted agent ACKs what it owes under it.
         self.journal.record_session(
             session_id=session.session_id, token=session.token, timeout_s=session.timeout_s
@@ -573,6 +582,7 @@ class Agent:
             on_session_lost=lambda: self._session_lost(session, "ack_unauthorized"),
             watch_output=output_watcher if self.live_output else None,
             log=log,
+            acks=session.acks,
         )
         # Not a daemon: the child's parent-death signal is bound to this
         # thread, which lives as long as the child (it waits for its exit).

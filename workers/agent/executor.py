@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -120,6 +121,20 @@ class LocalProcess:
             else:
                 self._exit_code = self._popen.poll()
         return self._exit_code
+
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the main process has exited (from a thread of
+        its own, blocked in waitid meanwhile), without reaping it: the runner
+        learns of the exit at once instead of at its next poll."""
+        if not hasattr(os, "waitid"):
+            return  # the runner polls
+
+        def watch() -> None:
+            with contextlib.suppress(OSError):  # ChildProcessError: reaped already
+                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+            callback()
+
+        threading.Thread(target=watch, name=f"exit-{self.pid}", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -21,6 +21,7 @@ from workers.agent.journal import Journal, Outcome, Phase
 __all__ = [
     "MAX_OUTPUT_TAIL_BYTES",
     "Abandoned",
+    "AckPoster",
     "AckRejected",
     "AttemptOutcome",
     "AttemptRunner",
@@ -31,6 +32,7 @@ __all__ = [
     "SpecRefused",
     "Transport",
     "TransportError",
+    "ack_path",
     "canonical_json",
     "clean_output_tail",
     "output_tail_wire_bytes",
@@ -112,6 +114,13 @@ class Transport(Protocol):
     def post(self, path: str, body: Mapping[str, Any], *, token: str) -> Response: ...
 
 
+class AckPoster(Protocol):
+    """Where a runner hands its ACKs (workers.agent.acks.AckSender): one
+    answer per ACK, as the single ACK endpoint would give it."""
+
+    def post_many(self, items: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Response]: ...
+
+
 class Process(Protocol):
     """One Attempt's process: `poll`/`wait` see the main process exit without
     reaping it; `release` ends what is left of its process group and reaps."""
@@ -131,6 +140,11 @@ class Process(Protocol):
 
 class Spawner(Protocol):
     def __call__(self, spec: Mapping[str, Any], *, offer_id: str = "") -> Process: ...
+
+
+def ack_path(offer_id: str) -> str:
+    """The single ACK endpoint of one offer."""
+    return f"/api/v1/worker/leases/{offer_id}/ack"
 
 
 def canonical_json(spec: Mapping[str, Any]) -> bytes:
@@ -272,6 +286,7 @@ class AttemptRunner:
         on_session_lost: Callable[[], None] | None = None,
         watch_output: Callable[[AttemptRunner, Process], Callable[[], None] | None] | None = None,
         log: Callable[..., None] | None = None,
+        acks: AckPoster | None = None,
     ) -> None:
         self.transport = transport
         self.session_token = session_token
@@ -292,6 +307,9 @@ class AttemptRunner:
         self._on_change = on_change
         self._on_session_lost = on_session_lost
         self._log = log
+        # The Session's ACK sender (several ACKs per request); None: each ACK
+        # is its own request.
+        self._acks = acks
         # Live output (workers/agent/output.py): started once the process runs;
         # returns the call that sends the rest and stops it.
         self._watch_output = watch_output
@@ -299,6 +317,9 @@ class AttemptRunner:
         # by a lost Session or by the agent stopping.
         self.stop = threading.Event()
         self.stop_reason = ""
+        # Wakes the wait for the process: set with `stop` and when the
+        # process exits (when its executor can tell, `Process.on_exit`).
+        self._wake = threading.Event()
         # Set when nothing more may be sent under this Session.
         self.abandoned = threading.Event()
         self.abandon_reason = ""
@@ -322,6 +343,7 @@ class AttemptRunner:
             self.abandon_reason = self.abandon_reason or reason
             self.abandoned.set()
         self.stop.set()
+        self._wake.set()
 
     def fence(self) -> None:
         """The agent fenced the Session (no heartbeat accepted for its
@@ -352,26 +374,37 @@ class AttemptRunner:
 
     # ------------------------------------------------------------ requests
 
-    def _post_ack(self, phase: str, extra: Mapping[str, Any]) -> Response:
+    def _post_acks(self, acks: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Response]:
+        """ACKs of this offer, in order, in one request when a sender batches them."""
         if self.abandoned.is_set():
             raise Abandoned(self.abandon_reason)
-        body = {
-            "phase": phase,
-            "lease_token": self.lease_token,
-            "spec_sha256": str(self.offer.get("spec_sha256", "")),
-            **extra,
-        }
-        response = self.transport.post(
-            f"/api/v1/worker/leases/{self.offer_id}/ack", body, token=self.session_token
-        )
-        if response.status == 401:
+        spec_digest = str(self.offer.get("spec_sha256", ""))
+        bodies = [
+            (
+                self.offer_id,
+                {"phase": phase, "lease_token": self.lease_token, "spec_sha256": spec_digest}
+                | dict(extra),
+            )
+            for phase, extra in acks
+        ]
+        if self._acks is not None:
+            responses = self._acks.post_many(bodies)
+        else:
+            responses = [
+                self.transport.post(ack_path(offer_id), body, token=self.session_token)
+                for offer_id, body in bodies
+            ]
+        if any(response.status == 401 for response in responses):
             # The Session is gone: its leases ended with it. The agent opens a
             # new one and reports this execution through the reconcile.
             self.cancel(SESSION_LOST)
             if self._on_session_lost is not None:
                 self._on_session_lost()
             raise Abandoned(SESSION_LOST)
-        return response
+        return responses
+
+    def _post_ack(self, phase: str, extra: Mapping[str, Any]) -> Response:
+        return self._post_acks([(phase, extra)])[0]
 
     def _accepted(self, phase: str, response: Response) -> Response:
         if response.status != 200:
@@ -384,18 +417,27 @@ class AttemptRunner:
         """One ACK body, sent again after a pause on a transport error, a 5xx
         or a 429 (the same phase twice is a no-op on the server) until the
         control plane answers; Abandoned if the Session goes or the agent stops."""
+        return self._post_all_until_answered([(phase, extra)])[0]
+
+    def _post_all_until_answered(
+        self, acks: Sequence[tuple[str, Mapping[str, Any]]]
+    ) -> list[Response]:
+        """ACKs sent together (in one request when batched), all sent again
+        while any of them is unanswered (a repeat of an applied phase is a no-op)."""
         backoff = self._backoff()
         tries = 0
+        phases = "+".join(phase for phase, _ in acks)
         while True:
             tries += 1
             try:
-                response = self._post_ack(phase, extra)
+                responses = self._post_acks(acks)
             except TransportError as err:
                 failure = str(err)
             else:
-                if not _transient(response.status):
-                    return response
-                failure = str(response.status)
+                unanswered = [r.status for r in responses if _transient(r.status)]
+                if not unanswered:
+                    return responses
+                failure = str(unanswered[0])
             delay = backoff.next()
             if self._log is not None and (tries == 1 or tries % 10 == 0):
                 # The first failure, then every tenth: an outage is visible
@@ -403,14 +445,14 @@ class AttemptRunner:
                 self._log(
                     "ack_retry",
                     offer_id=self.offer_id,
-                    phase=phase,
+                    phase=phases,
                     error=failure,
                     tries=tries,
                     retry_in_s=round(delay, 3),
                 )
             self._pause(delay)
 
-    def _ack_final(self, phase: str, **extra: Any) -> Response:
+    def _ack_final(self, phase: str, *, first: Response | None = None, **extra: Any) -> Response:
         """A terminal ACK: a finished process is always reported.
 
         Everything but the outcome is a courtesy. The tail is cleaned and
@@ -421,6 +463,7 @@ class AttemptRunner:
         lease token, spec digest and exit code). A 409 means the lease is gone:
         stop. Without this the Attempt would stay `running` until the agent
         stopped, then end `failed` although the process had exited 0.
+        `first`: the answer the full body already got (sent with `running`).
         """
         if "output_tail" in extra:
             extra["output_tail"] = clean_output_tail(str(extra["output_tail"]))
@@ -430,10 +473,15 @@ class AttemptRunner:
         for body in (without_tail, minimal):
             if body != bodies[-1]:
                 bodies.append(body)
-        for body in bodies[:-1]:
-            response = self._post_until_answered(phase, body)
+        for index, body in enumerate(bodies[:-1]):
+            if index == 0 and first is not None:
+                response = first
+            else:
+                response = self._post_until_answered(phase, body)
             if not _body_refused(response.status):
                 return self._accepted(phase, response)
+        if first is not None and len(bodies) == 1:
+            return self._accepted(phase, first)
         return self._accepted(phase, self._post_until_answered(phase, bodies[-1]))
 
     def _ack_starting(self) -> None:
@@ -560,21 +608,11 @@ class AttemptRunner:
         if self.stop_reason and self.stop_reason not in (CANCELLED, STOPPED):
             # A 409 fenced us off the lease: nobody will accept an outcome.
             return self._settle(outcome, "conflict")
-        if self._running_acked:
-            outcome.acks.append("running")
-        else:
-            # `succeeded`/`failed` are legal only after `running`.
-            response = self._post_until_answered("running", self._running_body(process))
-            if response.status != 200:
-                outcome.stopped = outcome.stopped or response.error_code or "conflict"
-                return self._settle_refusal(outcome, response)
-            self._running_acked = True
-            outcome.acks.append("running")
         ok = outcome.exit_code == 0 and not self.stop_reason and not self.timed_out
         phase = "succeeded" if ok else "failed"
         extra: dict[str, Any] = {
             "exit_code": outcome.exit_code,
-            "output_tail": process.output_tail(MAX_OUTPUT_TAIL_BYTES),
+            "output_tail": clean_output_tail(process.output_tail(MAX_OUTPUT_TAIL_BYTES)),
         }
         if self.stop_reason in (CANCELLED, STOPPED):
             extra["error_code"] = self.stop_reason
@@ -582,8 +620,33 @@ class AttemptRunner:
             extra["error_code"] = "timeout"
         elif phase == "failed":
             extra["error_code"] = "exit_nonzero"
+        first: Response | None = None
+        if self._running_acked:
+            outcome.acks.append("running")
+        elif self._acks is not None:
+            # `succeeded`/`failed` are legal only after `running`: a process
+            # that ended before its `running` ACK went out is reported with
+            # both in one request, applied in this order.
+            running, first = self._post_all_until_answered(
+                [("running", self._running_body(process)), (phase, extra)]
+            )
+            if running.status == 200 or first.status == 200:
+                # (The outcome alone accepted: `running` was applied by an
+                # earlier try whose answer was lost.)
+                self._running_acked = True
+                outcome.acks.append("running")
+            else:
+                outcome.stopped = outcome.stopped or running.error_code or "conflict"
+                return self._settle_refusal(outcome, running)
+        else:
+            response = self._post_until_answered("running", self._running_body(process))
+            if response.status != 200:
+                outcome.stopped = outcome.stopped or response.error_code or "conflict"
+                return self._settle_refusal(outcome, response)
+            self._running_acked = True
+            outcome.acks.append("running")
         try:
-            self._ack_final(phase, **extra)
+            self._ack_final(phase, first=first, **extra)
         except AckRejected as err:
             outcome.stopped = outcome.stopped or err.response.error_code or "conflict"
             return self._settle_refusal(outcome, err.response)
@@ -616,10 +679,19 @@ class AttemptRunner:
 
     def _supervise(self, process: Process, *, timeout_s: float) -> int:
         """Wait for the process (ACKing `running` meanwhile), stop it on a
-        verdict or its timeout, then end what it left in its process group."""
+        verdict or its timeout, then end what it left in its process group.
+
+        With a batching ACK sender the `running` ACK waits one poll interval:
+        a process that ends sooner is reported with `running` and its outcome
+        in one request (`_report`). Its exit wakes this wait at once when the
+        executor tells (`Process.on_exit`); otherwise it is polled."""
         deadline = self.clock() + timeout_s
         backoff = self._backoff()
-        next_running_try: float | None = self.clock()
+        first_try = self.clock() + (self.poll_interval_s if self._acks is not None else 0.0)
+        next_running_try: float | None = first_try
+        on_exit = getattr(process, "on_exit", None)
+        if callable(on_exit):
+            on_exit(self._wake.set)
         while True:
             code = process.poll()
             if code is not None:
@@ -634,7 +706,11 @@ class AttemptRunner:
                 pause = self._try_running_ack(process, backoff)
                 next_running_try = self.clock() + pause if pause else None
                 continue
-            self.stop.wait(self.poll_interval_s)
+            wait = self.poll_interval_s
+            if next_running_try is not None:
+                wait = max(0.0, min(wait, next_running_try - self.clock()))
+            self._wake.wait(wait)
+            self._wake.clear()
         return process.release(self.stop_grace_s)
 
     def _finish_unstarted(self, outcome: AttemptOutcome) -> AttemptOutcome:

@@ -22,6 +22,7 @@ from leases.models import ExecutionOutcome
 from leases.reconcile import ReconcileStatus
 from qinglong.api_common import (
     BodySerializer,
+    ErrorSerializer,
     FullMatchRegexValidator,
     StrictBooleanField,
     StrictCharField,
@@ -389,4 +390,65 @@ class AckResponseSerializer(BodySerializer):
     run_state = serializers.ChoiceField(choices=RunState.choices)
     cancel_requested = serializers.BooleanField(
         help_text="true: the Run was cancelled; stop the Attempt and ACK its end."
+    )
+
+
+# ---------------------------------------------------------- ack, several
+
+
+# README "Worker API": one request may carry the ACKs of several leases of the
+# Session (docs/adr/0013). Each item is exactly a single ACK's body plus the
+# offer id its path would name; the request is bounded in items and bytes.
+MAX_ACKS_PER_REQUEST = 64
+ACK_BATCH_MAX_BODY_BYTES = 1024 * 1024
+
+
+class AckItemSerializer(AckRequestSerializer):
+    """One item of `POST acks`: a single ACK's body and the offer id of its path."""
+
+    offer_id = offer_id_field(help_text="The lease's offer id (the single ACK's path).")
+
+
+class AckBatchRequestSerializer(StrictSerializer):
+    acks = serializers.ListField(
+        child=AckItemSerializer(),
+        min_length=1,
+        max_length=MAX_ACKS_PER_REQUEST,
+        help_text=(
+            f"1 to {MAX_ACKS_PER_REQUEST} ACKs of this Session's leases, applied one after "
+            "the other in this order, each on its own (its own transaction and answer): "
+            "one refused never undoes or blocks another. Several items may name the same "
+            "offer (e.g. `running` then `succeeded` of a process that already exited)."
+        ),
+    )
+
+
+class AckBatchResultSerializer(BodySerializer):
+    offer_id = serializers.CharField()
+    status = serializers.ChoiceField(
+        choices=[200, 403, 404, 409, 503],
+        help_text=(
+            "What the single ACK would have answered: 200 applied (or a repeat, a no-op); "
+            "403 another Session's lease or a wrong lease token; 404 no such lease; 409 stop "
+            "the Attempt; 503 not applied (the database was unavailable): send it again."
+        ),
+    )
+    attempt_state = serializers.ChoiceField(
+        choices=AttemptState.choices, required=False, help_text="With status 200."
+    )
+    run_state = serializers.ChoiceField(
+        choices=RunState.choices, required=False, help_text="With status 200."
+    )
+    cancel_requested = serializers.BooleanField(
+        required=False,
+        help_text="With status 200. true: the Run was cancelled; stop the Attempt and ACK its end.",
+    )
+    error = ErrorSerializer(
+        required=False, help_text="With any other status: the single ACK's error body."
+    )
+
+
+class AckBatchResponseSerializer(BodySerializer):
+    results = AckBatchResultSerializer(
+        many=True, help_text="One per item, in the order given (offer ids may repeat)."
     )

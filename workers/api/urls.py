@@ -13,6 +13,7 @@ urlpatterns = [
     path("heartbeat", views.HeartbeatView.as_view(), name="heartbeat"),
     path("pull", views.PullView.as_view(), name="pull"),
     path("reconcile", views.ReconcileView.as_view(), name="reconcile"),
+    path("acks", views.AckBatchView.as_view(), name="lease-acks"),
     re_path(r"^leases/(?P<offer_id>[0-9a-f]{64})/ack$", views.AckView.as_view(), name="lease-ack"),
     re_path(
         r"^leases/(?P<offer_id>[0-9a-f]{64})/output$",

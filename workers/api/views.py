@@ -6,22 +6,26 @@ envelope (`qinglong.api_errors`).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any, cast
 
 from django.conf import settings
+from django.db import InterfaceError, OperationalError
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import status
+from rest_framework import serializers, status
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 import workers.api.schema  # noqa: F401  (registers the OpenAPI security schemes)
 from dispatch.core.ports import to_rfc3339
-from leases.ack import AckPhase, lease_ack
+from leases.ack import AckItem, AckPhase, lease_ack, lease_ack_each
 from leases.errors import LeaseError
 from leases.models import ExecutionOutcome
 from leases.reconcile import ExecutionReport, leases_reconcile
 from qinglong.api_common import ApiView, parse_query_int, unknown_field_error, validated
-from qinglong.api_errors import ApiError, safe_field_name
+from qinglong.api_errors import ApiError, envelope, safe_field_name
 from qinglong.api_schema import error_responses, retry_after
 from workers.api.authentication import (
     HasWorkerSession,
@@ -32,8 +36,13 @@ from workers.api.authentication import (
 )
 from workers.api.pull import PullIdConflict, worker_pull
 from workers.api.serializers import (
+    ACK_BATCH_MAX_BODY_BYTES,
+    MAX_ACKS_PER_REQUEST,
     MAX_OFFERS_PER_RESPONSE,
     OFFER_ID_RE,
+    AckBatchRequestSerializer,
+    AckBatchResponseSerializer,
+    AckItemSerializer,
     AckRequestSerializer,
     AckResponseSerializer,
     HeartbeatRequestSerializer,
@@ -65,6 +74,8 @@ from workers.services import (
 WORKER_MAX_BODY_BYTES = 80 * 1024
 
 _TAG = ["worker"]
+
+logger = logging.getLogger("qinglong.workers")
 
 
 def _rejected(err: SessionRejected) -> ApiError:
@@ -373,3 +384,115 @@ class AckView(WorkerApiView):
                 "cancel_requested": result.cancel_requested,
             }
         )
+
+
+# One item validator for every request: a serializer instance only reads its
+# declared fields while validating, so threads can share it (DRF's ListField
+# shares its child the same way), and no request pays for copying its fields.
+_ACK_ITEM = AckItemSerializer()
+
+
+def _ack_items(data: Any) -> list[AckItem]:
+    """The items of `POST acks`, each validated as a single ACK's body; the
+    first bad one is a 400 naming it by index and field, and nothing is applied."""
+    if not isinstance(data, Mapping):
+        raise ValidationError({"body": [serializers.ErrorDetail("not_object", code="not_object")]})
+    unknown = {str(key) for key in data} - {"acks"}
+    if unknown:
+        raise unknown_field_error({safe_field_name(key) for key in unknown})
+    raw = data.get("acks")
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_ACKS_PER_REQUEST:
+        raise ApiError(
+            status_code=400,
+            code="invalid_request",
+            message=f"invalid request: acks: a list of 1 to {MAX_ACKS_PER_REQUEST} ACKs",
+        )
+    items = []
+    for index, item in enumerate(raw):
+        if not isinstance(item, Mapping):
+            raise ValidationError(
+                {f"acks[{index}]": [serializers.ErrorDetail("not_object", code="not_object")]}
+            )
+        try:
+            body = _ACK_ITEM.run_validation(item)
+        except ValidationError as err:
+            # The single ACK's envelope, each field prefixed by its item.
+            raise ValidationError({f"acks[{index}]": err.detail}) from None
+        items.append(
+            AckItem(
+                offer_id=body["offer_id"],
+                phase=AckPhase(body["phase"]),
+                lease_token=body["lease_token"],
+                spec_sha256=body["spec_sha256"],
+                executor_handle=body.get("executor_handle", ""),
+                exit_code=body.get("exit_code"),
+                error_code=body.get("error_code", ""),
+                output_tail=body.get("output_tail", ""),
+            )
+        )
+    return items
+
+
+class AckBatchView(WorkerApiView):
+    """ACK phases of several of this Session's leases in one request."""
+
+    max_body_bytes = ACK_BATCH_MAX_BODY_BYTES
+
+    @extend_schema(
+        operation_id="worker_lease_acks",
+        summary="ACK phases of several leases at once, each applied and answered on its own",
+        description=(
+            f"1 to {MAX_ACKS_PER_REQUEST} items (at most "
+            f"{ACK_BATCH_MAX_BODY_BYTES // 1024} KiB), each the body of "
+            "`POST leases/{offer_id}/ack` plus its `offer_id`. A malformed item is a 400 "
+            "for the whole request (named by index and field, nothing applied). Otherwise "
+            "each item is applied in the order given, in its own transaction, exactly as the "
+            "single ACK would be — authorized by its own lease token, a compare-and-set with "
+            "its history row, a repeat of the same phase a no-op — and `results[i]` is its "
+            "answer: the status the single ACK would have had and its body (200: "
+            "`attempt_state`, `run_state`, `cancel_requested`; 403/404/409: `error`). A 409 "
+            "means: stop that Attempt. 503 on an item: it was not applied (the database was "
+            "unavailable), send it again; the items before it were applied."
+        ),
+        tags=_TAG,
+        request=AckBatchRequestSerializer,
+        responses={200: AckBatchResponseSerializer, **error_responses()},
+        parameters=[retry_after()],
+    )
+    def post(self, request: Request) -> Response:
+        items = _ack_items(request.data)
+        results: list[dict[str, Any]] = []
+        try:
+            for item, outcome in zip(
+                items, lease_ack_each(session=self.session(request), items=items), strict=False
+            ):
+                if isinstance(outcome, LeaseError):
+                    # LeaseError messages are fixed texts and state names, never secrets.
+                    results.append(
+                        {
+                            "offer_id": item.offer_id,
+                            "status": outcome.status,
+                            **envelope(outcome.code, str(outcome)),
+                        }
+                    )
+                    continue
+                results.append(
+                    {
+                        "offer_id": outcome.offer_id,
+                        "status": 200,
+                        "attempt_state": outcome.attempt_state,
+                        "run_state": outcome.run_state,
+                        "cancel_requested": outcome.cancel_requested,
+                    }
+                )
+        except (OperationalError, InterfaceError):
+            # Those before were committed; this one and the rest were not applied.
+            logger.warning("database unavailable", extra={"event": "database_unavailable"})
+            unavailable = envelope(
+                "database_unavailable", "the database is unavailable; retry later"
+            )
+            results.extend(
+                {"offer_id": item.offer_id, "status": 503, **unavailable}
+                for item in items[len(results) :]
+            )
+        return Response({"results": results})

@@ -36,7 +36,7 @@ from workers.agent.protocol import (
     output_tail_wire_bytes,
 )
 from workers.agent.transport import HttpTransport
-from workers.api.views import WORKER_MAX_BODY_BYTES, WorkerApiView
+from workers.api.views import WORKER_MAX_BODY_BYTES, AckBatchView, WorkerApiView
 from workers.tests.test_agent import FakeProcess, FakeSpawner, an_offer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,8 +288,10 @@ def test_a_control_plane_that_stays_away_is_waited_for_with_capped_jittered_paus
 def test_a_413_from_a_smaller_cap_on_the_way_is_survived(live_server, monkeypatch) -> None:
     """The real server (its cap lowered, as a proxy in front of it could) answers
     413 to the ACK with the tail; the agent sends it again without, and the Run
-    ends `succeeded`, not left `running`."""
+    ends `succeeded`, not left `running`. The request carrying several ACKs
+    gets the 413 first; each ACK then goes on its own."""
     monkeypatch.setattr(WorkerApiView, "max_body_bytes", 16 * 1024)
+    monkeypatch.setattr(AckBatchView, "max_body_bytes", 16 * 1024)
     _, credential = make_worker(slots=1)
     task = task_create(
         project=make_project(),
