@@ -274,7 +274,8 @@ def schedule_create(
 def schedule_update(
     *, schedule_id: int, changes: Mapping[str, object], now: datetime | None = None
 ) -> Schedule:
-    """Change some settings; a new cron, time zone or jitter starts from now."""
+    """Change some settings; a new cron, time zone or jitter starts from now
+    (the old timetable's unevaluated fires up to now become one ledger row)."""
     with transaction.atomic(durable=True):
         schedule = _lock(schedule_id)
         if schedule is None:
@@ -295,9 +296,31 @@ def schedule_update(
             "priority": valid.priority,
         }
         if timing:
+            _close_timetable(schedule, now=moment)
             update["next_fire_at"] = CronSchedule(valid.cron, valid.timezone).next_after(moment)
         _save(schedule, now=moment, **update)
     return schedule
+
+
+def _close_timetable(schedule: Schedule, *, now: datetime) -> None:
+    """Before a new cron, time zone or jitter starts from `now`: the old
+    timetable's fires from the cursor through `now` that nobody evaluated yet
+    (the evaluator was behind, or the Schedule paused) are one ledger row, so
+    every fire stays accounted for (docs/adr/0010)."""
+    first = schedule.next_fire_at
+    if first is None or first > now:
+        return
+    last = schedule_cron(schedule).previous_before(now + _TICK)
+    if last is None or last < first:
+        last = first
+    if schedule.paused:
+        who = schedule.paused_by or "an operator"
+        why = f": {schedule.pause_reason}" if schedule.pause_reason else ""
+        outcome, detail = FireOutcome.PAUSED, f"paused by {who}{why}"
+    else:
+        outcome = FireOutcome.MISSED
+        detail = "not evaluated before the schedule's timetable was changed"
+    _record_stretch(schedule, first=first, last=last, outcome=outcome, detail=detail, now=now)
 
 
 def schedule_pause(

@@ -220,8 +220,9 @@ class ScheduleView(ScheduleApiView):
         operation_id="schedules_update",
         summary="Change some settings of a Schedule",
         description="A new cron expression, time zone or jitter starts from now (fires "
-        "already recorded stay as they are). Bad input is a 400 `invalid_schedule` that "
-        "changes nothing. " + permissions_doc(*CHANGE),
+        "already recorded stay as they are; the old timetable's fires due but not yet "
+        "evaluated become one `missed` row, `paused` while paused). Bad input is a 400 "
+        "`invalid_schedule` that changes nothing. " + permissions_doc(*CHANGE),
         tags=["schedules"],
         request=ScheduleUpdateRequestSerializer,
         parameters=[_ID, retry_after()],

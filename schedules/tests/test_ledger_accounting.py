@@ -214,3 +214,59 @@ def test_dst_nights_through_the_evaluator_fire_once_per_local_time(
     assert shown == expected
     assert {f.outcome for f in fires} == {E}
     assert len({f.run_id for f in fires}) == len(expected)
+
+
+# ------------------------------------------------------------------ update
+
+
+def test_an_update_accounts_for_the_old_timetables_unevaluated_fires() -> None:
+    from schedules.services import schedule_update
+
+    schedule = make_schedule(cron="* * * * *", overlap_policy="allow")
+    schedules_evaluate(now=at(minutes=1))
+    # The evaluator falls behind; the cron changes at 12:05:30.
+    schedule_update(
+        schedule_id=schedule.pk, changes={"cron": "0 * * * *"}, now=at(minutes=5, seconds=30)
+    )
+    missed = ScheduleFire.objects.get(schedule=schedule, outcome=M)
+    assert (missed.fire_at, missed.last_fire_at, missed.fire_count) == (
+        at(minutes=2),
+        at(minutes=5),
+        4,
+    )
+    assert "timetable was changed" in missed.detail
+    schedule.refresh_from_db()
+    assert schedule.next_fire_at == at(hours=1)
+    schedules_evaluate(now=at(hours=1))
+    assert ledger(schedule)[-1] == (E, at(hours=1))
+    # Each old fire is found by its time, and nothing new claims 12:02-12:05.
+    for minute in range(1, 6):
+        assert len(rows_at(schedule, at(minutes=minute))) == 1
+
+
+def test_an_update_while_paused_keeps_the_old_fires_in_the_pause() -> None:
+    from schedules.services import schedule_update
+
+    schedule = make_schedule(cron="* * * * *")
+    schedule_pause(schedule_id=schedule.pk, actor="ops", reason="maint", now=at(seconds=30))
+    schedule_update(
+        schedule_id=schedule.pk, changes={"cron": "*/5 * * * *"}, now=at(minutes=10, seconds=30)
+    )
+    schedule_resume(schedule_id=schedule.pk, actor="ops", now=at(minutes=20, seconds=30))
+    assert [
+        (f.outcome, f.fire_at, f.last_fire_at, f.fire_count)
+        for f in ScheduleFire.objects.filter(schedule=schedule).order_by("fire_at")
+    ] == [
+        (P, at(minutes=1), at(minutes=10), 10),  # the old timetable, every minute
+        (P, at(minutes=15), at(minutes=20), 2),  # the new one
+    ]
+
+
+def test_an_update_without_a_timing_change_records_nothing() -> None:
+    from schedules.services import schedule_update
+
+    schedule = make_schedule(cron="* * * * *")
+    schedule_update(schedule_id=schedule.pk, changes={"priority": 4}, now=at(minutes=5))
+    assert not ScheduleFire.objects.exists()
+    schedule.refresh_from_db()
+    assert schedule.next_fire_at == at(minutes=1)  # still due: the evaluator fires them
