@@ -1,13 +1,8 @@
 """Concurrency limits recover after a cancel and after an agent is killed with
-SIGKILL (issue 13, README "Run policies"), for both limits:
-
-- the Task's `max_concurrent_runs` counts live leases: a cancel that revokes
-  or ends the lease frees its slot, an expired lease no longer counts (no
-  sweep needed: leases/tests/test_task_quota.py);
-- the Project's `max_concurrent_runs` counts dispatching and running Runs: a
-  cancel frees the slot when the Run ends, and a killed agent's Run ends at
-  the expired-lease sweep that `run_dispatcher` and Celery beat run every few
-  seconds.
+SIGKILL (issue 13, README "Run policies"), for both limits: the Task's and the
+Project's `max_concurrent_runs` count live leases (`leases.quota`), so a
+cancel that revokes or ends the lease frees its slot, and an expired lease no
+longer counts, before any sweep (the Task's: leases/tests/test_task_quota.py).
 
 A started Run that is cancelled keeps its slot until its process has really
 stopped (the agent's terminal ACK) or its lease is gone: two never run at once.
@@ -118,13 +113,14 @@ def test_a_project_limit_recovers_after_its_agent_is_killed_with_sigkill() -> No
     assert held.state == RunState.RUNNING
     assert _claim(waiting)[0] == ClaimStatus.ATTEMPT_LOST  # the dead agent's slot
     time.sleep(2.1)
-    # The expired-lease sweep (run_dispatcher and Celery beat, every few
-    # seconds) ends the dead agent's Run; its Project slot is free.
+    # No sweep has run and no process will ever report: the lease is past
+    # expires_at, so it no longer holds the Project's slot.
+    assert RunLease.objects.get(run=held).state == LeaseState.ACTIVE
+    assert _claim(waiting)[0] == ClaimStatus.WON
+    # The expired-lease sweep then ends the dead agent's Run.
     assert sweep_expired_leases().applied == 1
     held.refresh_from_db()
     assert held.state == RunState.FAILED  # max_attempts 1: lost, not retried
-    assert RunLease.objects.get(run=held).state == LeaseState.EXPIRED
-    assert _claim(waiting)[0] == ClaimStatus.WON
 
 
 @pytest.mark.postgres
@@ -150,4 +146,5 @@ def test_a_limit_recovers_after_a_cancel_of_a_run_whose_agent_was_killed(kind: s
     sweep_expired_leases()
     held.refresh_from_db()
     assert held.state == RunState.CANCELLED
+    assert RunLease.objects.get(run=held).state == LeaseState.EXPIRED
     assert _claim(waiting)[0] == ClaimStatus.WON
