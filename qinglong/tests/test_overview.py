@@ -161,6 +161,15 @@ def test_it_shows_runs_queue_workers_charts_and_the_switch(admin_client):
     assert "<script" not in body.split('<div id="content-main">', 1)[1].split("</main>", 1)[0]
     assert "PAUSED: db upgrade" in body
     assert 'data-worker="alpha"' in body
+    # Each Worker's row: its slots used / capacity, free, and last heartbeat.
+    rows_html = {
+        name: body[body.index(f'data-worker="{name}"') :].split("</tr>", 1)[0]
+        for name in ("alpha", "bravo", "charlie")
+    }
+    assert "<td>1 / 3</td><td>2</td>" in rows_html["alpha"]
+    assert " ago</td>" in rows_html["alpha"]
+    assert "<td>none</td>" in rows_html["bravo"] and "<td>never</td>" in rows_html["bravo"]
+    assert "<td>0 / 2</td><td>0</td>" in rows_html["charlie"]
 
 
 def test_problems_are_named_as_the_audit_command_names_them(admin_client):

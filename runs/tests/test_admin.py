@@ -120,6 +120,16 @@ def test_the_task_page_shows_the_current_command_and_env_names_but_no_env_value(
     # Never from a Run's page, where lease facts are listed.
     run_page = admin_client.get(reverse("admin:runs_run_change", args=[run.pk])).content.decode()
     assert CANARY_COMMAND not in run_page
+    # A new revision: its command is the one shown, and still no env value.
+    from runs.services import task_update
+
+    task_update(
+        task=run.task,
+        definition={**canary_definition(), "command": ["sh", "-c", "echo revised-2"]},
+    )
+    body = admin_client.get(reverse("admin:runs_task_change", args=[run.task_id])).content.decode()
+    assert "sh -c &#x27;echo revised-2&#x27;" in body
+    assert CANARY_COMMAND not in body and CANARY_ENV not in body
 
 
 def test_read_only_pages_offer_no_save_button(admin_client):
