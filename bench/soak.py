@@ -200,6 +200,7 @@ def soak(args: argparse.Namespace, env: dict[str, str], workdir: Path) -> Verdic
             ),
             agent_env,
             kind="agent",
+            via=node,
         )  # fmt: skip
 
     project = project_create(slug="soak", name="Fault soak")
@@ -289,6 +290,8 @@ def soak(args: argparse.Namespace, env: dict[str, str], workdir: Path) -> Verdic
             agent_dirs=agent_dirs,
             watch=watch,
             elapsed_s=timings["total_s"],
+            session_timeout_s=args.session_timeout,
+            heartbeat_s=args.heartbeat,
         )
         verdict.violations += journals_settled(state_dirs)
         verdict.violations += undeliverable(run_ids)

@@ -19,6 +19,16 @@ of what it killed and when all of it was verified gone, so such an
 execution's end is known from the process facts, never guessed. An execution
 without a last stamp that no recorded kill explains is treated as never
 ending (it overlaps everything after it).
+
+The Cluster also records every web outage: from the SIGKILL or SIGTERM of a
+web node to its restart answering again. A web server down for longer than
+the Session timeout costs the Sessions it cut off, by design (README "The
+reference agent", Partitions): an execution that ended while it was down and
+whose terminal ACK met it is ended `lost` with its Session and its Run runs
+again. `verify` counts such executions apart ("executions lost to outages
+over the Session timeout", see `outage_cost`); a Run that ran again for any
+other reason, a short restart included (finding 3), is a violation, and no
+outage excuses an overlap.
 """
 
 from __future__ import annotations
@@ -153,6 +163,20 @@ class Kill:
 
 
 @dataclass
+class Outage:
+    """A web node down: from the fault that took it down (SIGKILL or SIGTERM
+    sent) to its restart answering `ready` again. An agent talking to that
+    node can neither heartbeat nor ACK meanwhile."""
+
+    node: str
+    down_ns: int
+    up_ns: int = 0  # 0: not back (yet)
+
+    def seconds(self, now_ns: int) -> float:
+        return ((self.up_ns or now_ns) - self.down_ns) / 1e9
+
+
+@dataclass
 class Proc:
     name: str
     argv: list[str]
@@ -160,6 +184,7 @@ class Proc:
     log_path: Path
     kind: str  # web | dispatcher | agent | celery
     ready: Callable[[], bool] | None = None
+    via: str | None = None  # agent: the web node it talks to (None: any)
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -176,6 +201,7 @@ class Cluster:
         self.workdir = workdir
         self.procs: dict[str, Proc] = {}
         self.kills: list[Kill] = []
+        self.outages: list[Outage] = []
         self.restarts: Counter[str] = Counter()
 
     def add(
@@ -186,8 +212,9 @@ class Cluster:
         *,
         kind: str,
         ready: Callable[[], bool] | None = None,
+        via: str | None = None,
     ) -> Proc:
-        proc = Proc(name, argv, env, self.workdir / f"{name}.log", kind, ready)
+        proc = Proc(name, argv, env, self.workdir / f"{name}.log", kind, ready, via)
         self.procs[name] = proc
         return proc
 
@@ -206,6 +233,21 @@ class Cluster:
         proc.starts += 1
         if proc.ready is not None:
             self.wait_ready(name, timeout=timeout)
+        for outage in self.outages:
+            if outage.node == name and not outage.up_ns:
+                outage.up_ns = time.time_ns()
+                log(f"{name} back after {outage.seconds(outage.up_ns):.1f}s")
+
+    def _down(self, proc: Proc, at_ns: int) -> None:
+        """A web node stops answering from the moment its fault is sent."""
+        if proc.kind == "web" and not any(
+            o.node == proc.name and not o.up_ns for o in self.outages
+        ):
+            self.outages.append(Outage(proc.name, at_ns))
+
+    def agents_of(self, node: str) -> set[str]:
+        """The agents a web node's outage cuts off."""
+        return {p.name for p in self.procs.values() if p.kind == "agent" and p.via in (None, node)}
 
     def wait_ready(self, name: str, *, timeout: float) -> None:
         proc = self.procs[name]
@@ -269,6 +311,7 @@ class Cluster:
         """SIGKILL the process's whole group (a crashed web node, dispatcher, beat)."""
         proc = self.procs[name]
         at = time.time_ns()
+        self._down(proc, at)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         self._reap(proc)
@@ -280,6 +323,7 @@ class Cluster:
         """SIGTERM and wait for the exit (a deployment's restart)."""
         proc = self.procs[name]
         at = time.time_ns()
+        self._down(proc, at)
         assert proc.popen is not None
         proc.popen.send_signal(signal.SIGTERM)
         try:
@@ -291,6 +335,7 @@ class Cluster:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         kill = Kill("sigterm", name, at, time.time_ns())
+        log(f"{name} exited {(kill.dead_ns - at) / 1e9:.1f}s after SIGTERM")
         self.kills.append(kill)
         return kill
 
@@ -555,13 +600,22 @@ def verify(
     agent_dirs: dict[str, Path],
     watch: Watch,
     elapsed_s: float,
+    session_timeout_s: float,
+    heartbeat_s: float,
 ) -> Verdict:
     """Every invariant of the soak, from the database, the stamps, the
-    agents' logs and journals, and what the Cluster recorded."""
+    agents' logs and journals, and what the Cluster recorded.
+
+    `session_timeout_s` and `heartbeat_s` are the cluster's
+    QL_SESSION_TIMEOUT_S and QL_HEARTBEAT_INTERVAL_S: an execution whose
+    Attempt a web outage over the Session timeout cost (`outage_cost`) may
+    run again, counted apart ("executions lost to outages over the Session
+    timeout"); every other invariant holds for it as for any execution."""
     from leases.models import RunLease
     from runs.models import Attempt, Run, RunState
 
     run_ids = list(run_ids)
+    now_ns = time.time_ns()
     violations = list(watch.violations)
     executions, problems = read_stamps(agent_dirs)
     violations += problems
@@ -569,7 +623,15 @@ def verify(
     runs = {run.pk: run for run in Run.objects.filter(pk__in=run_ids)}
     attempts = list(Attempt.objects.filter(run_id__in=run_ids))
     by_attempt = {attempt.pk: attempt for attempt in attempts}
-    leases = dict(RunLease.objects.filter(run_id__in=run_ids).values_list("offer_id", "attempt_id"))
+    leases: dict[str, int] = {}
+    # offer id -> (its Session's last recorded heartbeat, when the Session ended)
+    sessions: dict[str, tuple[int, int | None]] = {}
+    rows = RunLease.objects.filter(run_id__in=run_ids).values_list(
+        "offer_id", "attempt_id", "session__heartbeat_at", "session__ended_at"
+    )
+    for offer, attempt_pk, beat, ended in rows:
+        leases[offer] = attempt_pk
+        sessions[offer] = (_ns(beat), _ns(ended) if ended is not None else None)
 
     # 1. Every Run terminal.
     states = Counter(str(run.state) for run in runs.values())
@@ -636,8 +698,36 @@ def verify(
             settled = min(settled, execution.end + JOURNALED_WITHIN_NS)
         return any(execution.start <= at <= settled for at in agent_kills[execution.agent])
 
+    def facts(execution: Execution, attempt: Any) -> str:
+        return _facts(execution, attempt, sessions, agent_kills, cluster.outages, offer_events)
+
+    # The web outages that cut each agent off.
+    cut_off: dict[str, list[Outage]] = defaultdict(list)
+    for outage in cluster.outages:
+        for agent in cluster.agents_of(outage.node):
+            cut_off[agent].append(outage)
+
+    def lost_to_outage(execution: Execution) -> Outage | None:
+        attempt = by_attempt[leases[execution.offer_id]]
+        beat, ended = sessions[execution.offer_id]
+        return outage_cost(
+            cut_off[execution.agent],
+            start_ns=execution.start,
+            attempt_state=str(attempt.state),
+            error_code=attempt.error_code,
+            beat_ns=beat,
+            ended_ns=ended,
+            session_timeout_s=session_timeout_s,
+            heartbeat_s=heartbeat_s,
+            now_ns=now_ns,
+        )
+
     ran_twice = 0
     unexplained_end = 0
+    outage_lost: set[str] = set()
+    for execution in executions:
+        if execution.offer_id in leases and lost_to_outage(execution) is not None:
+            outage_lost.add(execution.offer_id)
     for run_id, found in per_run.items():
         # 2. No two executions of one Run overlap.
         for index, earlier in enumerate(found):
@@ -653,14 +743,14 @@ def verify(
         if len(found) > 1:
             ran_twice += 1
             for execution in found[:-1]:
-                if not hit(execution):
+                if not hit(execution) and execution.offer_id not in outage_lost:
                     attempt = by_attempt[leases[execution.offer_id]]
                     violations.append(
                         f"Run {run_id} ran {len(found)} times though execution "
                         f"{execution.offer_id[:8]} ({execution.agent}, "
                         f"{'stopped by the control plane, ' if execution.offer_id in stops else ''}"
                         f"attempt {attempt.number} {attempt.state}/{attempt.error_code}) was hit "
-                        "by no kill: " + _facts(execution, attempt, agent_kills, offer_events)
+                        "by no kill nor a long outage: " + facts(execution, attempt)
                     )
         for execution in found:
             if end_of(execution) == INFINITY:
@@ -668,10 +758,15 @@ def verify(
             # Finding 3: a process that ran to its end is reported, unless a
             # kill took the report with it.
             attempt = by_attempt[leases[execution.offer_id]]
-            if execution.end is not None and not hit(execution) and attempt.state != "succeeded":
+            if (
+                execution.end is not None
+                and not hit(execution)
+                and execution.offer_id not in outage_lost
+                and attempt.state != "succeeded"
+            ):
                 violations.append(
                     f"Run {run_id}: execution {execution.offer_id[:8]} ended but its Attempt "
-                    f"is {attempt.state}/{attempt.error_code}"
+                    f"is {attempt.state}/{attempt.error_code}: " + facts(execution, attempt)
                 )
     # 4. Nothing claims to run at the end.
     open_attempts = [a.pk for a in attempts if a.state in ("starting", "running", "claimed")]
@@ -695,6 +790,10 @@ def verify(
         "executions ended by SIGKILL": sum(1 for e in executions if e.last is None),
         "executions without a provable end": unexplained_end,
         "faults": dict(kills),
+        "web outages (s)": [round(o.seconds(now_ns), 1) for o in cluster.outages],
+        f"executions lost to outages over the Session timeout ({session_timeout_s:g}s)": len(
+            outage_lost
+        ),
         "restarts": dict(cluster.restarts),
         "orphans left by agent-only kills": sum(len(k.orphans) for k in cluster.kills),
         "agent fences": fences,
@@ -704,10 +803,61 @@ def verify(
     return Verdict(violations, summary)
 
 
+def outage_cost(
+    outages: Iterable[Outage],
+    *,
+    start_ns: int,
+    attempt_state: str,
+    error_code: str | None,
+    beat_ns: int,
+    ended_ns: int | None,
+    session_timeout_s: float,
+    heartbeat_s: float,
+    now_ns: int,
+) -> Outage | None:
+    """The web outage (of those that cut the execution's agent off) that
+    cost the execution's Attempt, if any: the documented price of an outage
+    over the Session timeout (README "The reference agent", Partitions).
+
+    It cost the Attempt when the Attempt ended `lost` because its Session
+    was lost — `worker_lost` (the sweep declared it offline) or
+    `worker_restarted` (the agent, silent for the Session timeout, fenced it
+    and opened another) — and that Session's heartbeats stopped at the
+    outage: its last recorded one came at most two heartbeats (and a second
+    of scheduling) before the node went down and none after it came back;
+    and the outage lasted longer than the Session timeout less two
+    heartbeats (the last one before it, the first one after it). A shorter
+    outage, a Session that outlived the outage, or any other ending explains
+    nothing: a terminal ACK lost to a short restart stays a violation
+    (finding 3)."""
+    if attempt_state != "lost" or error_code not in ("worker_lost", "worker_restarted"):
+        return None
+    if ended_ns is None:
+        return None
+    long_enough_s = session_timeout_s - 2 * heartbeat_s
+    slack_ns = int((2 * heartbeat_s + 1) * 1e9)
+    for outage in outages:
+        up = outage.up_ns or now_ns
+        if (
+            outage.seconds(now_ns) > long_enough_s
+            and start_ns < up
+            and outage.down_ns - slack_ns <= beat_ns <= up
+            and ended_ns >= outage.down_ns
+        ):
+            return outage
+    return None
+
+
+def _ns(moment: datetime) -> int:
+    return int(moment.timestamp() * 1e9)
+
+
 def _facts(
     execution: Execution,
     attempt: Any,
+    sessions: dict[str, tuple[int, int | None]],
     agent_kills: dict[str, list[int]],
+    outages: list[Outage],
     offer_events: dict[str, list[str]],
 ) -> str:
     """Times relative to the execution's start (s), for a failure message."""
@@ -717,9 +867,12 @@ def _facts(
 
     finished = int(attempt.finished_at.timestamp() * 1e9) if attempt.finished_at else None
     kills = ", ".join(rel(at) for at in agent_kills[execution.agent])
+    down = ", ".join(f"{o.node} {rel(o.down_ns)}..{rel(o.up_ns or None)}" for o in outages)
+    beat, ended = sessions.get(execution.offer_id, (None, None))
     return (
         f"end {rel(execution.end)} term {rel(execution.term)} attempt finished "
-        f"{rel(finished)}; kills of {execution.agent} at [{kills}]; agent events: "
+        f"{rel(finished)}; its Session's last heartbeat {rel(beat)}, ended {rel(ended)}; "
+        f"kills of {execution.agent} at [{kills}]; web outages [{down}]; agent events: "
         + " | ".join(offer_events.get(execution.offer_id, []))
     )
 
