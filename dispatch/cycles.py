@@ -38,7 +38,7 @@ from django.utils import timezone
 from dispatch.adapters.orm import orm_ports
 from dispatch.core.budget import DispatchBudget
 from dispatch.core.cycle import dispatch_once
-from dispatch.core.offer import ClaimedExecutionOffer
+from dispatch.core.offer import ClaimedExecutionOffer, OfferSource
 from dispatch.core.ports import DispatchScope, PullCredential, Scope
 from dispatch.core.result import CycleStatus, DispatchCycleResult
 from dispatch.models import DispatchControl, DispatchCycle
@@ -385,18 +385,22 @@ def dispatch_cycle(
     result = dispatch_once(
         scope=scope,
         budget=budget,
-        ports=orm_ports(clock=None if observed_at is None else _ReadClock(observed_at)),
+        ports=orm_ports(
+            clock=None if observed_at is None else _ReadClock(observed_at), delivered=True
+        ),
         secret=str(settings.QINGLONG_LEASE_SECRET).encode(),
         pull=pull,
         max_offers=max_offers,
     )
-    if result.offers:
+    redelivered = [o for o in result.offers if o.source is OfferSource.LEASE_RECOVERY]
+    if redelivered:
         # Telemetry (never authority), on the database clock: a pull counts
         # toward max_deliveries, at most once per redelivery backoff (a
         # re-poll inside it is not a delivery, docs/adr/0005); a global
-        # announcement only restarts the backoff (docs/adr/0002).
+        # announcement only restarts the backoff (docs/adr/0002). A new
+        # claim's lease was written delivered by the claim itself (`orm_ports`).
         leases_record_delivery(
-            (offer.lease.lease_id for offer in result.offers),
+            (offer.lease.lease_id for offer in redelivered),
             # The cycle's own reading of that clock (observed_at): one
             # statement fewer, a few milliseconds earlier.
             now=result.observed_at or db_now(),

@@ -452,15 +452,20 @@ class OrmPlanSource:
         return attempt, run, revision
 
 
-def orm_ports(*, clock: Clock | None = None) -> DispatchPorts:
+def orm_ports(*, clock: Clock | None = None, delivered: bool = False) -> DispatchPorts:
     """The production wiring of one cycle: ORM sources sharing one `CycleMemo`,
-    the one claim path, the database clock (or `clock`, already read)."""
+    the one claim path, the database clock (or `clock`, already read).
+
+    `delivered`: the caller hands out every won claim's offer at once
+    (`dispatch.cycles.dispatch_cycle`), so each lease is written delivered
+    and needs no telemetry write after the cycle.
+    """
     memo = CycleMemo()
     return DispatchPorts(
         recovery=OrmLeaseRecoverySource(),
         candidates=OrmCandidateSource(memo),
         workers=OrmWorkerSnapshotSource(),
         plans=OrmPlanSource(memo),
-        claims=DatabaseClaimPort(),
+        claims=DatabaseClaimPort(delivered=delivered),
         clock=clock or DatabaseClock(),
     )

@@ -18,7 +18,9 @@ run, then the pure per-step helpers, then the result bookkeeping.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Final
@@ -89,9 +91,14 @@ def dispatch_once(
     6. `_required_placement`: the placement must require the candidate's
        executor type (added when absent, rejected when it conflicts).
     7. `_Cycle.rank_workers`: eligible Workers by placement score (desc), free
-       slots (desc), worker id (asc).
-    8. `_Cycle.claim_ranked`: claim with the chosen Registry record's worker,
-       session and generation, never with identities from a request.
+       slots (desc), worker id (asc); each candidate of a page is placed on
+       the best Worker with a slot no earlier candidate of the page was
+       promised (`_Cycle._gather`).
+    8. `_Cycle.claim_batch`: claim the page's pairs in one call
+       (`ClaimPort.claim_many`) with the chosen Registry records' worker,
+       session and generation, never with identities from a request; a
+       claim that finds its Worker unavailable is tried on the next Worker
+       in the next page.
     9. `_build_offer`: only a recovered lease or a won claim yields an offer.
     """
     started = monotonic()
@@ -303,23 +310,35 @@ class _Cycle:
         if not workers:
             self.tally.notes.add(CycleReason.NO_WORKERS)
             return
-        while candidate is not None:
-            # Checked before every read: no page is fetched for candidates that
-            # could not be placed anyway (session scope: the Session is full).
-            if not any(self.free_slots.values()):
-                self.tally.notes.add(CycleReason.NO_FREE_SLOTS)
-                return
-            if not self._dispatch_candidate(candidate, workers):  # steps 4-9
+        if not any(self.free_slots.values()):
+            self.tally.notes.add(CycleReason.NO_FREE_SLOTS)
+            return
+        page = _ClaimPage(candidates=candidates, fresh=deque([candidate]))
+        while True:
+            broken: PortContractError | None = None
+            try:
+                self._gather(page, workers)  # steps 4-7 for each candidate of the page
+            except PortContractError as err:
+                # A later candidate page broke its contract: the pairs already
+                # chosen came from good pages and are claimed before failing closed.
+                broken = err
+            claimed = bool(page.batch)
+            if page.batch:
+                self.claim_batch(page)  # step 8 (and 9)
+            if broken is not None:
+                raise broken
+            if page.stopped:
                 return
             if self._offers_full():
-                if candidates.may_have_more:
+                if page.may_have_more:
                     self._truncate(CycleReason.MAX_OFFERS_REACHED)
                 return
             if not any(self.free_slots.values()):
                 return
-            candidate = candidates.next()
-        if candidates.budget_exhausted:
-            self._truncate(CycleReason.CANDIDATE_BUDGET_EXHAUSTED)
+            if not claimed:
+                if candidates.budget_exhausted:
+                    self._truncate(CycleReason.CANDIDATE_BUDGET_EXHAUSTED)
+                return
 
     # -- step 3: the Worker snapshot ----------------------------------------------
 
@@ -364,26 +383,68 @@ class _Cycle:
         self.free_slots = {record.worker_id: max(0, record.free_slots) for record in workers}
         return workers
 
-    # -- steps 4-8 for one candidate ------------------------------------------------
+    # -- steps 4-8, a page of claims at once --------------------------------------
+    #
+    # The candidates are placed one after the other, each on the best Worker
+    # with a slot not yet promised to an earlier candidate of the page, until
+    # no slot, offer or claim is left to promise; then the whole page is
+    # claimed with one call (`ClaimPort.claim_many`), which the database
+    # writes in one transaction. A claim that finds its Worker unavailable
+    # sends its candidate back to the next page with that Worker left out; a
+    # candidate whose Workers were all promised away waits for the next page,
+    # where the slots that were not won are free again.
 
-    def _dispatch_candidate(self, candidate: Candidate, workers: list[WorkerRecord]) -> bool:
-        """One candidate through steps 4-8; False when the claim budget stops the cycle."""
+    def _gather(self, page: _ClaimPage, workers: list[WorkerRecord]) -> None:
+        """Steps 4-7: choose the page's (candidate, Worker) pairs into `page.batch`."""
+        page.batch = []
+        promised = dict(self.free_slots)
+        deferred: list[_Placed] = []
+        room = None if self.max_offers is None else self.max_offers - len(self.offers)
+        try:
+            while any(free > 0 for free in promised.values()):
+                # Checked before every read: no page is fetched for candidates
+                # that could not be placed anyway (session scope: the Session is full).
+                if room is not None and len(page.batch) >= room:
+                    return
+                placed = page.next_placed(self)
+                if placed is None:
+                    return
+                ranked = self.rank_workers(placed.placement, workers, promised, placed.tried)
+                if not ranked:
+                    if self.rank_workers(placed.placement, workers, self.free_slots, placed.tried):
+                        deferred.append(placed)  # its slots were promised to earlier ones
+                    elif not placed.tried:
+                        self._skip(CycleReason.NO_ELIGIBLE_WORKER)
+                    # else: tried everywhere it could go, each loss noted: done.
+                    continue
+                if self.tally.claims_attempted + len(page.batch) >= self.budget.max_claim_attempts:
+                    self._truncate(CycleReason.CLAIM_BUDGET_EXHAUSTED)
+                    page.stopped = True
+                    return
+                score, record, _ = ranked[0]
+                page.batch.append((placed, score, record))
+                promised[record.worker_id] -= 1
+        finally:
+            page.waiting.extendleft(reversed(deferred))
+
+    def place(self, candidate: Candidate) -> _Placed | None:
+        """Steps 4-6 for one candidate; None when it is skipped (the reason noted)."""
         try:
             plan = self.plan(candidate)  # step 4
         except PlanUnavailable:
-            return self._skip(CycleReason.PLAN_MISSING)
+            self._skip(CycleReason.PLAN_MISSING)
+            return None
         try:
             spec, digest = _checked_spec(plan, candidate)  # step 5
         except SpecError:
-            return self._skip(CycleReason.INVALID_SPEC)
+            self._skip(CycleReason.INVALID_SPEC)
+            return None
         try:
             placement = _required_placement(plan, candidate)  # step 6
         except PlacementError:
-            return self._skip(CycleReason.PLACEMENT_CONFLICT)
-        ranked = self.rank_workers(placement, workers)  # step 7
-        if not ranked:
-            return self._skip(CycleReason.NO_ELIGIBLE_WORKER)
-        return self.claim_ranked(candidate, ranked, spec, digest)  # step 8 (and 9)
+            self._skip(CycleReason.PLACEMENT_CONFLICT)
+            return None
+        return _Placed(candidate=candidate, spec=spec, digest=digest, placement=placement)
 
     def plan(self, candidate: Candidate) -> DispatchPlan:
         """Step 4: the plan from the Run's pinned revision; raises PlanUnavailable."""
@@ -394,13 +455,17 @@ class _Cycle:
     # Step 5 is `_checked_spec`, step 6 `_required_placement` (pure, below).
 
     def rank_workers(
-        self, placement: Placement, workers: list[WorkerRecord]
+        self,
+        placement: Placement,
+        workers: list[WorkerRecord],
+        free_slots: Mapping[str, int],
+        excluded: AbstractSet[str],
     ) -> list[tuple[int, WorkerRecord, int]]:
         """Step 7: (score, record, free slots) of every eligible Worker, best first."""
         eligible: list[tuple[int, WorkerRecord, int]] = []
         for record in workers:
-            free = self.free_slots[record.worker_id]
-            if free <= 0:
+            free = free_slots[record.worker_id]
+            if free <= 0 or record.worker_id in excluded:
                 continue
             score = placement_score(
                 placement, executor_types=record.executor_types, labels=record.labels
@@ -410,47 +475,69 @@ class _Cycle:
         eligible.sort(key=_worker_rank)
         return eligible
 
-    def claim_ranked(
-        self,
-        candidate: Candidate,
-        ranked: list[tuple[int, WorkerRecord, int]],
-        spec: dict[str, object],
-        digest: str,
-    ) -> bool:
-        """Step 8: claim on the best Worker that takes it; False when the claim
-        budget stops the cycle."""
-        for score, record, _ in ranked:
-            if self.tally.claims_attempted >= self.budget.max_claim_attempts:
-                self._truncate(CycleReason.CLAIM_BUDGET_EXHAUSTED)
-                return False
-            status = self._claim(candidate, record, score, spec, digest)
-            if status is ClaimStatus.WON:
-                return True
-            if status is ClaimStatus.ATTEMPT_LOST:
-                # Someone else owns (or changed) this Attempt: never reassign
-                # it to another Worker in this cycle (docs/adr/0001).
-                break
-        self.tally.notes.add(CycleReason.CLAIMS_LOST)
-        return True
+    def claim_batch(self, page: _ClaimPage) -> None:
+        """Step 8: claim the page's pairs with the chosen Registry records' worker,
+        session and generation, in one call; each won claim becomes an offer (step 9)."""
+        batch = page.batch
+        made = [self._request(placed, record, score) for placed, score, record in batch]
+        requests = [request for request, _ in made]
+        self.tally.claims_attempted += len(requests)
+        outcomes = tuple(self.ports.claims.claim_many(requests))
+        if len(outcomes) != len(requests):
+            # Which claims won is unknown: fail, and let recovery re-deliver them.
+            raise RuntimeError("the claim port must answer every request of a page")
+        retry: list[_Placed] = []
+        for (placed, score, record), (request, token), outcome in zip(
+            batch, made, outcomes, strict=True
+        ):
+            if outcome.status is ClaimStatus.WON:
+                assert outcome.lease_id is not None and outcome.expires_at is not None
+                self.tally.claims_won += 1
+                self.free_slots[record.worker_id] -= 1
+                self.offers.append(
+                    _build_offer(
+                        source=OfferSource.NEW_CLAIM,
+                        offer_id=request.offer_id,
+                        candidate=placed.candidate,
+                        session=record.session,
+                        lease=LeaseGrant(
+                            lease_id=outcome.lease_id,
+                            generation=request.lease_generation,
+                            token=token,
+                            expires_at=outcome.expires_at,
+                        ),
+                        spec=placed.spec,
+                        digest=placed.digest,
+                        placement_score=score,
+                    )
+                )
+                continue
+            self.tally.claims_lost += 1
+            self.tally.notes.add(CycleReason.CLAIMS_LOST)
+            if outcome.status is ClaimStatus.WORKER_UNAVAILABLE:
+                # Vanished or full since the snapshot: no more claims to it this
+                # cycle; the candidate may still go to the next Worker.
+                self.free_slots[record.worker_id] = 0
+                placed.tried.add(record.worker_id)
+                retry.append(placed)
+            # Anything else (ATTEMPT_LOST, or an unknown answer, treated as the
+            # safe one): someone else owns (or changed) this Attempt, never
+            # reassign it to another Worker in this cycle (docs/adr/0001).
+        page.waiting.extendleft(reversed(retry))
+        page.batch = []
 
-    def _claim(
-        self,
-        candidate: Candidate,
-        record: WorkerRecord,
-        score: int,
-        spec: dict[str, object],
-        digest: str,
-    ) -> ClaimStatus:
-        """One claim; a won claim becomes an offer (step 9)."""
+    def _request(
+        self, placed: _Placed, record: WorkerRecord, score: int
+    ) -> tuple[ClaimRequest, str]:
+        """The claim of one pair, and the lease token it grants."""
+        candidate = placed.candidate
         generation = candidate.lease_generation + 1
         offer_id = _offer_id(candidate, generation, record.session)
-        is_global = self.scope.kind is Scope.GLOBAL
-        if is_global:
-            token = derive_lease_token(self.secret, offer_id)
-            pull_id = None
+        if self.scope.kind is Scope.GLOBAL:
+            token, pull_id, source = derive_lease_token(self.secret, offer_id), None, NEW_CLAIM
         else:
             assert self.pull is not None  # checked by dispatch_once
-            token, pull_id = self.pull.token, self.pull.pull_id
+            token, pull_id, source = self.pull.token, self.pull.pull_id, PULL_CLAIM
         request = ClaimRequest(
             attempt_id=candidate.attempt_id,
             run_id=candidate.run_id,
@@ -462,44 +549,14 @@ class _Cycle:
             session_generation=record.session_generation,
             offer_id=offer_id,
             token_digest=token_digest(token),
-            spec_sha256=digest,
+            spec_sha256=placed.digest,
             placement_score=score,
-            source=NEW_CLAIM if is_global else PULL_CLAIM,
+            source=source,
             pull_id=pull_id,
             lease_ttl_s=self.budget.lease_ttl_s,
-            skip_locked=is_global,
+            skip_locked=self.scope.kind is Scope.GLOBAL,
         )
-        self.tally.claims_attempted += 1
-        outcome = self.ports.claims.claim(request)
-        if outcome.status is ClaimStatus.WON:
-            assert outcome.lease_id is not None and outcome.expires_at is not None
-            self.tally.claims_won += 1
-            self.free_slots[record.worker_id] -= 1
-            self.offers.append(
-                _build_offer(
-                    source=OfferSource.NEW_CLAIM,
-                    offer_id=offer_id,
-                    candidate=candidate,
-                    session=record.session,
-                    lease=LeaseGrant(
-                        lease_id=outcome.lease_id,
-                        generation=generation,
-                        token=token,
-                        expires_at=outcome.expires_at,
-                    ),
-                    spec=spec,
-                    digest=digest,
-                    placement_score=score,
-                )
-            )
-            return ClaimStatus.WON
-        self.tally.claims_lost += 1
-        if outcome.status is ClaimStatus.WORKER_UNAVAILABLE:
-            # Vanished or full since the snapshot: no more claims to it this cycle.
-            self.free_slots[record.worker_id] = 0
-            return ClaimStatus.WORKER_UNAVAILABLE
-        # Anything but the two known losses is treated as the safe one.
-        return ClaimStatus.ATTEMPT_LOST
+        return request, token
 
     # -- bookkeeping ----------------------------------------------------------------
 
@@ -511,12 +568,11 @@ class _Cycle:
     def _offers_full(self) -> bool:
         return self.max_offers is not None and len(self.offers) >= self.max_offers
 
-    def _skip(self, reason: CycleReason) -> bool:
-        """This candidate is passed over; the cycle goes on (always True)."""
+    def _skip(self, reason: CycleReason) -> None:
+        """This candidate is passed over; the cycle goes on."""
         self.tally.notes.add(reason)
         if reason in _CANDIDATE_REJECTIONS:
             self.tally.rejected_candidates += 1
-        return True
 
     def result(self, *, duration_ms: int) -> DispatchCycleResult:
         tally, rejected = self.tally, self.rejected
@@ -651,6 +707,54 @@ def _build_offer(
         spec_sha256=digest,
         placement_score=placement_score,
     )
+
+
+# ------------------------------------------------------------- a page of claims
+
+
+@dataclass
+class _Placed:
+    """A candidate past steps 4-6, and the Workers whose claims found them unavailable."""
+
+    candidate: Candidate
+    spec: dict[str, object] = field(repr=False)
+    digest: str
+    placement: Placement
+    tried: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _ClaimPage:
+    """The candidates of the cycle on their way to claims.
+
+    `fresh`: read (step 2) but not placed yet; `waiting`: placed, to be
+    claimed on a later page (sent back by an unavailable Worker, or whose
+    slots an earlier candidate of the page was promised); `batch`: the
+    pairs of the page being claimed.
+    """
+
+    candidates: PageReader[Candidate]
+    fresh: deque[Candidate]
+    waiting: deque[_Placed] = field(default_factory=deque)
+    batch: list[tuple[_Placed, int, WorkerRecord]] = field(default_factory=list)
+    stopped: bool = False  # the claim budget ended the cycle
+
+    def next_placed(self, cycle: _Cycle) -> _Placed | None:
+        """The next candidate to claim, in keyset order: a waiting one, else the
+        next read and placed (skipped ones are noted and passed over)."""
+        if self.waiting:
+            return self.waiting.popleft()
+        while True:
+            candidate = self.fresh.popleft() if self.fresh else self.candidates.next()
+            if candidate is None:
+                return None
+            placed = cycle.place(candidate)
+            if placed is not None:
+                return placed
+
+    @property
+    def may_have_more(self) -> bool:
+        return bool(self.waiting or self.fresh) or self.candidates.may_have_more
 
 
 # ----------------------------------------------------------- result bookkeeping

@@ -983,6 +983,10 @@ class FakeClaimPort:
         self.calls.append(request)
         return self._claim(request)
 
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> tuple[ClaimOutcome, ...]:
+        """The page claim by claim, in order (the contract's meaning of a page)."""
+        return tuple(self.claim(request) for request in requests)
+
     def _claim(self, request: ClaimRequest) -> ClaimOutcome:
         store = self.store
         lost = ClaimOutcome(ClaimStatus.ATTEMPT_LOST)

@@ -7,7 +7,7 @@ the contract both must honour; the shared contract suite checks it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -337,6 +337,22 @@ class ClaimPort(Protocol):
         An Attempt once over-delivered to a Session is not barred from it:
         it waits its backoff in `not_before`, which the candidate read
         honours, and may then go to any Worker (docs/adr/0005).
+        """
+        ...
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> Sequence[ClaimOutcome]:
+        """A page of claims (issue #12): one outcome per request, in order.
+
+        Each outcome is the one `claim` would give its request had the
+        requests before it been claimed one after the other: a Session an
+        earlier request filled is WORKER_UNAVAILABLE to a later one, a quota
+        an earlier one took is taken, an Attempt claimed by an earlier one
+        is ATTEMPT_LOST (one pull id, one token, counts the page's grants
+        too). Every WON is committed when this returns, each lease exactly
+        as `claim` writes it. The page may be written in one transaction
+        (the database) or claim by claim (the fakes, SQLite); a rival may
+        win between two requests either way, which is a lost race for that
+        request only.
         """
         ...
 

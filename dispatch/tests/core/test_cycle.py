@@ -408,19 +408,21 @@ def test_a_full_worker_gets_no_further_claims_this_cycle() -> None:
     full = store.add_worker(slots=2)
     other = store.add_worker(slots=1)
     enqueue(store, 2)
-    inner = FakeClaimPort(store)
 
-    class FilledBySomeoneElse:
-        calls = inner.calls
-
-        def claim(self, request: ClaimRequest) -> ClaimOutcome:
+    class FilledBySomeoneElse(FakeClaimPort):
+        def _claim(self, request: ClaimRequest) -> ClaimOutcome:
             # Another dispatcher fills `full` between our snapshot and our claim.
             store.workers[full.worker_id].slots = 0
-            return inner.claim(request)
+            return super()._claim(request)
 
-    ports = fake_ports(store, claims=FilledBySomeoneElse())
+    ports = fake_ports(store, claims=FilledBySomeoneElse(store))
     result = run(ports)
-    assert [c.worker_id for c in claims_of(ports)] == [full.worker_id, other.worker_id]
+    # The first page promised both of `full`'s slots; the next leaves it out.
+    assert [c.worker_id for c in claims_of(ports)] == [
+        full.worker_id,
+        full.worker_id,
+        other.worker_id,
+    ]
     assert [o.worker_id for o in result.offers] == [other.worker_id]
 
 
@@ -450,17 +452,12 @@ def test_a_lost_attempt_is_not_reassigned() -> None:
     assert result.counts.claims_lost == 1
 
 
-class _RivalCommitsFirst:
+class _RivalCommitsFirst(FakeClaimPort):
     """Another dispatcher bumps the Attempt's version just before our CAS."""
 
-    def __init__(self, store: FakeStore) -> None:
-        self.inner = FakeClaimPort(store)
-        self.store = store
-        self.calls = self.inner.calls
-
-    def claim(self, request: ClaimRequest) -> ClaimOutcome:
+    def _claim(self, request: ClaimRequest) -> ClaimOutcome:
         self.store.attempts[request.attempt_id].version += 1
-        return self.inner.claim(request)
+        return super()._claim(request)
 
 
 def test_a_cas_version_conflict_stops_the_candidate() -> None:
