@@ -35,6 +35,7 @@ from dispatch.tests.stores import (
     StoreBuilder,
     candidate_of,
     claim,
+    claim_request,
     seconds,
     try_claim,
     unknown_session,
@@ -789,3 +790,96 @@ def test_the_pull_id_check_answers_before_slots(store: StoreBuilder) -> None:
     assert try_claim(store, candidate, ref, pull=pull(7, "U")).status is UNAVAILABLE
     assert try_claim(store, candidate, ref, pull=pull(7, "T")).status is UNAVAILABLE
     assert try_claim(store, candidate, other).status is WON
+
+
+# A page of claims (`claim_many`, issue #12): each request answered as if the
+# ones before it had been claimed one after the other.
+
+
+def page(
+    store: StoreBuilder,
+    pairs: list[tuple[str, SessionRef]],
+    *,
+    pulls: list[PullCredential | None] | None = None,
+) -> list[ClaimStatus]:
+    """Claim `(attempt, Session)` pairs as one page; their statuses, in order."""
+    requests = []
+    for index, (attempt, ref) in enumerate(pairs):
+        credential = None if pulls is None else pulls[index]
+        request, _ = claim_request(store, candidate_of(store, attempt), ref, pull=credential)
+        requests.append(request)
+    outcomes = store.ports().claims.claim_many(requests)
+    assert len(outcomes) == len(requests)
+    return [outcome.status for outcome in outcomes]
+
+
+def test_a_page_fills_a_session_in_order_and_claims_an_attempt_once(
+    store: StoreBuilder,
+) -> None:
+    task = store.add_task()
+    small, big = store.add_worker(slots=2), store.add_worker(slots=4)
+    a, b, c, d = queued(store, task, 4)
+    assert page(store, [(a, small), (b, small), (c, small), (d, big)]) == [
+        WON,
+        WON,
+        UNAVAILABLE,
+        WON,
+    ]
+    e, f = queued(store, task, 2)
+    ea = candidate_of(store, e)
+    twice, _ = claim_request(store, ea, big)
+    again, _ = claim_request(store, ea, small)
+    other, _ = claim_request(store, candidate_of(store, f), big)
+    outcomes = store.ports().claims.claim_many([twice, again, other])
+    assert [o.status for o in outcomes] == [WON, ATTEMPT_LOST, WON]
+    assert [r.session for r in all_recoverable(store.ports(), store.now())].count(big) == 3
+
+
+def test_a_page_keeps_quotas_and_answers_them_before_the_session(store: StoreBuilder) -> None:
+    limited = store.add_task(max_concurrent_runs=2)
+    task_limited = store.add_task(task_limit=1)
+    free = store.add_task()
+    ref = store.add_worker(slots=8)
+    gone = store.add_worker(slots=8)
+    store.set_session_state(gone.worker_id, "offline")
+    p1, p2, p3 = queued(store, limited, 3)
+    t1, t2 = queued(store, task_limited, 2)
+    (f1,) = queued(store, free)
+    statuses = page(store, [(p1, ref), (p2, ref), (p3, gone), (t1, ref), (t2, gone), (f1, ref)])
+    # p3 and t2 find their quota taken by the page before the offline Session.
+    assert statuses == [WON, WON, ATTEMPT_LOST, WON, ATTEMPT_LOST, WON]
+
+
+def test_a_page_keeps_one_pull_id_to_one_token(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker(slots=8)
+    a, b, c, d = queued(store, task, 4)
+    assert try_claim(store, candidate_of(store, a), ref, pull=pull(1, "T")).status is WON
+    statuses = page(
+        store,
+        [(b, ref), (c, ref), (d, ref)],
+        pulls=[pull(1, "U"), pull(1, "T"), pull(2, "V")],
+    )
+    assert statuses == [UNAVAILABLE, WON, WON]
+    e, f = queued(store, task, 2)
+    assert page(store, [(e, ref), (f, ref)], pulls=[pull(3, "X"), pull(3, "Y")]) == [
+        WON,
+        UNAVAILABLE,
+    ]
+
+
+def test_a_stale_or_cancelled_request_loses_alone_in_a_page(store: StoreBuilder) -> None:
+    task = store.add_task()
+    ref = store.add_worker(slots=8)
+    a, b, c = queued(store, task, 3)
+    stale = candidate_of(store, b)
+    cancelled = candidate_of(store, c)
+    claim(store, b, ref)  # a rival won `b` since our read
+    store.cancel_run(cancelled.run_id)
+    requests = [
+        claim_request(store, candidate_of(store, a), ref)[0],
+        claim_request(store, stale, ref)[0],
+        claim_request(store, cancelled, ref)[0],
+    ]
+    outcomes = store.ports().claims.claim_many(requests)
+    assert [o.status for o in outcomes] == [WON, ATTEMPT_LOST, ATTEMPT_LOST]
