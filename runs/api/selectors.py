@@ -10,9 +10,10 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from dispatch.adapters.waiting import placement_unmatched, run_waiting
 from dispatch.core.ports import to_rfc3339
 from leases.models import RunLease
-from runs.models import Attempt, Project, Run, RunState
+from runs.models import Attempt, Project, Run, RunState, TaskRevision
 
 MAX_PAGE = 100
 TOKEN_DIGEST_PREFIX_CHARS = 8
@@ -130,7 +131,21 @@ def run_detail(run_id: int) -> dict[str, Any] | None:
     return {
         **_run_summary(run),
         "attempts": [_attempt_json(a, leases[a.pk]) for a in attempts],
+        # docs/adr/0012: why it still waits, asked now (bounded; never the spec).
+        "waiting": run_waiting(run.pk) if run.state == RunState.QUEUED else None,
     }
+
+
+def unplaceable_json(revision: TaskRevision, seen: dict[int, Any] | None = None) -> dict[str, Any]:
+    """`unplaceable_now` and its reason for a Run just enqueued on `revision`
+    (asked once per revision when `seen` is shared across a bulk enqueue)."""
+    if seen is not None and revision.pk in seen:
+        reason = seen[revision.pk]
+    else:
+        reason = placement_unmatched(revision)
+        if seen is not None:
+            seen[revision.pk] = reason
+    return {"unplaceable_now": reason is not None, "unplaceable_reason": reason}
 
 
 def run_page(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from dispatch.adapters.waiting import WAIT_REASONS
 from dispatch.core.placement import (
     LABEL_KEY_RE,
     LABEL_VALUE_RE,
@@ -259,12 +260,69 @@ class RunSummarySerializer(BodySerializer):
     finished_at = serializers.DateTimeField(allow_null=True)
 
 
+class WaitingSerializer(BodySerializer):
+    """Why a queued Run is not running yet (docs/adr/0012), the first that holds."""
+
+    reason = serializers.ChoiceField(
+        choices=list(WAIT_REASONS),
+        help_text="dispatch_paused (the kill switch); backoff (not before `until`); "
+        "project_limit / task_limit (`active` of `limit` Runs running); no_matching_worker "
+        "(no online Worker has its executor type and labels: `missing_executor_type`, "
+        "`missing_labels` name what none has); workers_full (every matching Worker's slots "
+        "are taken); eligible (it is claimed in its turn).",
+    )
+    message = serializers.CharField(help_text="The same in operator words.")
+    until = serializers.DateTimeField(allow_null=True)
+    backoff = serializers.CharField(
+        allow_null=True,
+        help_text="lost_execution_grace, redelivery_backoff or retry_backoff (reason backoff).",
+    )
+    active = serializers.IntegerField(allow_null=True)
+    limit = serializers.IntegerField(allow_null=True)
+    missing_executor_type = serializers.CharField(allow_null=True)
+    missing_labels = serializers.DictField(child=serializers.CharField(), allow_null=True)
+    matching_workers = serializers.IntegerField(
+        allow_null=True, help_text="Online Workers that match (counted up to 1000)."
+    )
+
+
+class UnplaceableSerializer(BodySerializer):
+    """Why no enrolled Worker could take the Run when it was enqueued."""
+
+    reason = serializers.ChoiceField(choices=["no_enrolled_worker", "invalid_placement"])
+    message = serializers.CharField()
+    missing_executor_type = serializers.CharField(allow_null=True)
+    missing_labels = serializers.DictField(child=serializers.CharField())
+
+
 class RunDetailSerializer(RunSummarySerializer):
     attempts = AttemptSerializer(many=True)
+    waiting = WaitingSerializer(
+        allow_null=True,
+        help_text="Why it is still queued, computed now for this Run (null unless queued).",
+    )
+
+
+class _Unplaceable(BodySerializer):
+    unplaceable_now = serializers.BooleanField(
+        help_text="No enrolled Worker (active or draining) has the Task's executor type and "
+        "required labels right now. The Run is queued anyway: Workers come and go."
+    )
+    unplaceable_reason = UnplaceableSerializer(allow_null=True)
+
+
+class RunEnqueuedSerializer(RunDetailSerializer, _Unplaceable):
+    """A Run just enqueued: its detail, and whether any enrolled Worker could take it."""
+
+
+class RunEnqueuedSummarySerializer(RunSummarySerializer, _Unplaceable):
+    """One Run of a bulk enqueue."""
 
 
 class RunBulkCreatedSerializer(BodySerializer):
-    results = RunSummarySerializer(many=True, help_text="The Runs enqueued, in the order given.")
+    results = RunEnqueuedSummarySerializer(
+        many=True, help_text="The Runs enqueued, in the order given."
+    )
 
 
 class RunPageSerializer(BodySerializer):

@@ -44,6 +44,7 @@ from runs.api.selectors import (
     run_detail,
     run_page,
     run_summary,
+    unplaceable_json,
 )
 from runs.api.serializers import (
     SLUG_RE,
@@ -53,6 +54,7 @@ from runs.api.serializers import (
     RunBulkCreatedSerializer,
     RunCreateRequestSerializer,
     RunDetailSerializer,
+    RunEnqueuedSerializer,
     RunPageSerializer,
     TaskCreateRequestSerializer,
     TaskDefinitionRequestSerializer,
@@ -325,7 +327,9 @@ class RunsView(OperatorApiView):
             f"{MAX_BULK_RUNS} such objects enqueues them all in one transaction, or none: "
             "the first bad item is a `400` whose message names it by index and field "
             "(`items[3].priority: max_value`, `items[0].task: not_found`); the answer is "
-            '`{"results": [...]}`, the Runs in the order given. '
+            '`{"results": [...]}`, the Runs in the order given. Each Run answered says '
+            "`unplaceable_now` (with `unplaceable_reason`) when no enrolled Worker has its "
+            "Task's executor type and required labels: it is queued anyway. "
         )
         + permissions_doc(*ADD_RUN),
         tags=["operator"],
@@ -341,7 +345,7 @@ class RunsView(OperatorApiView):
         responses={
             201: PolymorphicProxySerializer(
                 component_name="RunCreated",
-                serializers=[RunDetailSerializer, RunBulkCreatedSerializer],
+                serializers=[RunEnqueuedSerializer, RunBulkCreatedSerializer],
                 resource_type_field_name=None,
             ),
             **error_responses(404),
@@ -361,7 +365,10 @@ class RunsView(OperatorApiView):
             raise _not_found()
         with _service_errors():
             run = run_enqueue(task=task, priority=body.get("priority", 0))
-        return Response(run_detail(run.pk), status=status.HTTP_201_CREATED)
+        detail = run_detail(run.pk)
+        assert detail is not None
+        answer = {**detail, **unplaceable_json(run.task_revision)}
+        return Response(answer, status=status.HTTP_201_CREATED)
 
     def _post_many(self, items: list[Any]) -> Response:
         """A list: every Run or none; the first bad item is named by its index."""
@@ -394,9 +401,11 @@ class RunsView(OperatorApiView):
             # The summary reads these relations; they are the Tasks just resolved.
             run.project = run.task.project
             run.task_revision = run.task.current_revision  # type: ignore[assignment]
-        return Response(
-            {"results": [run_summary(run) for run in runs]}, status=status.HTTP_201_CREATED
-        )
+        seen: dict[int, Any] = {}  # one placement question per revision
+        results = [
+            {**run_summary(run), **unplaceable_json(run.task_revision, seen)} for run in runs
+        ]
+        return Response({"results": results}, status=status.HTTP_201_CREATED)
 
 
 def _bulk_error(index: int, field: str, code: str) -> ApiError:
