@@ -19,6 +19,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponseRedirect
 from django.urls import reverse
 
+from dispatch.adapters.waiting import placement_unmatched, run_waiting
 from leases.end import run_cancel
 from leases.errors import Outcome
 from qinglong.admin import (
@@ -71,6 +72,19 @@ class TaskRevisionInline(ReadOnlyInline):
 
 def _actor(request: HttpRequest) -> str:
     return f"admin:{getattr(request.user, 'username', '')}"
+
+
+def _warn_if_unplaceable(
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, run: Run
+) -> None:
+    """docs/adr/0012: a Run no enrolled Worker can take is enqueued, and said so."""
+    reason = placement_unmatched(run.task_revision)
+    if reason is not None:
+        model_admin.message_user(
+            request,
+            f"Run {run.pk} is unplaceable now: {reason['message']} It is queued all the same.",
+            messages.WARNING,
+        )
 
 
 def _may_enqueue(request: HttpRequest) -> bool:
@@ -126,10 +140,11 @@ class TaskAdmin(ReadOnlyAdmin):
         enqueued = 0
         for task in queryset:
             try:
-                run_enqueue(task=task)
+                run = run_enqueue(task=task)
             except DefinitionError:
                 continue
             enqueued += 1
+            _warn_if_unplaceable(self, request, run)
         self.message_user(request, f"Enqueued {enqueued} run(s).", messages.SUCCESS)
 
 
@@ -176,6 +191,8 @@ class RunAdmin(ReadOnlyAdmin):
         "version",
         "created_at",
         "finished_at",
+        "waiting_now",
+        "unplaceable_now",
     )
     inlines = (AttemptInline, AttemptEventInline)
     actions = ("cancel_runs", "retry_failed_runs")
@@ -196,6 +213,22 @@ class RunAdmin(ReadOnlyAdmin):
     @admin.display(description="queued", ordering="queued_at")
     def queued(self, run: Run) -> str:
         return compact_time(run.queued_at)
+
+    @admin.display(description="why it waits")
+    def waiting_now(self, run: Run) -> str:
+        """docs/adr/0012: the first rule holding a queued Run back, asked now."""
+        if run.pk is None or run.state != RunState.QUEUED:
+            return "-"
+        answer = run_waiting(run.pk)
+        return "-" if answer is None else f"{answer['reason']}: {answer['message']}"
+
+    @admin.display(description="unplaceable now")
+    def unplaceable_now(self, run: Run) -> str:
+        """Whether any enrolled Worker has its executor type and required labels."""
+        if run.pk is None or run.state in RUN_TERMINAL_STATES:
+            return "-"
+        reason = placement_unmatched(run.task_revision)
+        return "no" if reason is None else f"yes: {reason['message']}"
 
     @admin.display(description="finished", ordering="finished_at")
     def finished(self, run: Run) -> str:
@@ -231,10 +264,11 @@ class RunAdmin(ReadOnlyAdmin):
         retried = 0
         for run in queryset.filter(state=RunState.FAILED).select_related("task"):
             try:
-                run_enqueue(task=run.task, priority=run.priority)
+                retry = run_enqueue(task=run.task, priority=run.priority)
             except DefinitionError:
                 continue
             retried += 1
+            _warn_if_unplaceable(self, request, retry)
         self.message_user(request, f"Enqueued {retried} retry run(s).", messages.SUCCESS)
 
 
