@@ -33,18 +33,27 @@ from typing import Protocol
 
 from django.conf import settings
 from django.db import connection
+from django.db.models import BooleanField, Exists, ExpressionWrapper, OuterRef, Subquery, Value
+from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from dispatch.adapters.orm import orm_ports
+from dispatch.adapters.orm import (
+    active_lease_count,
+    orm_ports,
+    recoverable_leases,
+    session_scope_record,
+)
 from dispatch.core.budget import DispatchBudget
 from dispatch.core.cycle import dispatch_once
 from dispatch.core.offer import ClaimedExecutionOffer, OfferSource
-from dispatch.core.ports import DispatchScope, PullCredential, Scope
+from dispatch.core.ports import DispatchScope, PullCredential, Scope, WorkerRecord
 from dispatch.core.result import CycleStatus, DispatchCycleResult
 from dispatch.models import DispatchControl, DispatchCycle
 from leases.end import leases_revoke_over_delivered
 from leases.errors import Outcome
+from leases.policy import claimable_sessions_q
 from leases.renew import leases_record_delivery
+from leases.selectors import over_delivered_leases
 from qinglong.clock import db_now
 from qinglong.metrics import cycle_observed
 from workers.models import WorkerSession
@@ -53,11 +62,13 @@ __all__ = [
     "CycleRecorder",
     "NullOfferNotifier",
     "OfferNotifier",
+    "PullSnapshot",
     "cycle_recorder",
     "dispatch_budget",
     "dispatch_cycle",
     "dispatch_paused",
     "dispatch_set_paused",
+    "pull_snapshot",
 ]
 
 logger = logging.getLogger("qinglong.dispatch")
@@ -122,6 +133,94 @@ def _paused_and_clock() -> tuple[bool, datetime | None]:
     assert row is not None
     now: datetime = row[0]
     return bool(row[1]), now.astimezone(UTC)
+
+
+@dataclass(frozen=True)
+class PullSnapshot:
+    """What a pull's cycle reads before its candidates, in one statement (issue #12).
+
+    All of it at the cycle's `observed_at` (the statement's clock): the kill
+    switch; whether the Session has leases to revoke for over-delivery
+    (`leases.selectors.over_delivered_leases`) or to re-deliver
+    (`dispatch.adapters.orm.recoverable_leases`); and the Session as the
+    Worker snapshot lists it in session scope (`session_page`: its record,
+    or none when it takes no claims).
+    """
+
+    observed_at: datetime
+    paused: bool
+    over_delivered: bool
+    recoverable: bool
+    session_page: tuple[WorkerRecord, ...]
+
+
+def pull_snapshot(
+    scope: DispatchScope, *, session_pk: int | None, max_deliveries: int
+) -> PullSnapshot | None:
+    """The lean start of a pull's cycle (PostgreSQL); None: read it the long way.
+
+    Three reads of the plain cycle — the kill switch and the clock, the
+    over-delivered leases, the recovery page, the Session's record — become
+    one: the recovery page and the Worker page of the cycle are then served
+    from it when it found nothing to re-deliver (`orm_ports`). Each part is
+    the same filter its port uses, so the cycle sees what it would have read.
+    """
+    if connection.vendor != "postgresql" or scope.session is None:
+        return None
+    recoverable = recoverable_leases(
+        scope, observed_at=Now(), due_before=None, max_deliveries=max_deliveries
+    )
+    try:
+        session_key = uuid.UUID(scope.session.session_id)
+    except ValueError:
+        return None
+    if recoverable is None:
+        return None
+    qs = WorkerSession.objects.filter(session_id=session_key)
+    if session_pk is not None:
+        qs = qs.filter(pk=session_pk)
+    row = (
+        qs.select_related("worker")
+        .only(
+            "id",
+            "session_id",
+            "worker_id",
+            "generation",
+            "executor_types",
+            "labels",
+            "slots",
+            "worker__id",
+            "worker__slots",
+        )
+        .annotate(
+            observed_at=Now(),
+            paused=Coalesce(
+                Subquery(DispatchControl.objects.filter(pk=_CONTROL_PK).values("paused")[:1]),
+                Value(False),
+            ),
+            over_delivered=Exists(
+                over_delivered_leases(max_deliveries=max_deliveries, session_pk=OuterRef("pk"))
+            ),
+            recoverable=Exists(recoverable),
+            active=Coalesce(active_lease_count(), 0),
+            takes_claims=ExpressionWrapper(claimable_sessions_q(), output_field=BooleanField()),
+        )
+        .first()
+    )
+    if row is None:
+        return None
+    values = row.__dict__
+    record = session_scope_record(
+        row, scope, takes_claims=bool(values["takes_claims"]), active_leases=int(values["active"])
+    )
+    observed_at: datetime = values["observed_at"]
+    return PullSnapshot(
+        observed_at=observed_at.astimezone(UTC),
+        paused=bool(values["paused"]),
+        over_delivered=bool(values["over_delivered"]),
+        recoverable=bool(values["recoverable"]),
+        session_page=() if record is None else (record,),
+    )
 
 
 def dispatch_set_paused(*, paused: bool, reason: str = "", actor: str = "") -> None:
@@ -368,25 +467,38 @@ def dispatch_cycle(
     Must not be called inside a transaction: each claim commits on its own.
     """
     _ensure_no_outer_transaction()
-    is_paused, observed_at = _paused_and_clock()
+    budget = dispatch_budget()
+    snapshot = (
+        pull_snapshot(scope, session_pk=session_pk, max_deliveries=budget.max_deliveries)
+        if scope.kind is Scope.SESSION
+        else None
+    )
+    observed_at: datetime | None
+    if snapshot is not None:
+        is_paused, observed_at = snapshot.paused, snapshot.observed_at
+    else:
+        is_paused, observed_at = _paused_and_clock()
     if is_paused:
         paused = DispatchCycleResult.paused(scope.kind)
         cycle_recorder.record(paused, scope=scope)
         return paused
-    budget = dispatch_budget()
-    if scope.kind is Scope.SESSION:
+    if scope.kind is Scope.SESSION and (snapshot is None or snapshot.over_delivered):
         pk = _session_pk(scope, session_pk)
         if pk is not None and _revoke_over_delivered(
             session_pk=pk, max_deliveries=budget.max_deliveries
         ):
             # A revoke just wrote the Attempt's `not_before`: the cycle must
-            # observe a moment after it, not the one read before.
-            observed_at = None
+            # observe a moment after it, not the one read before (nor the
+            # snapshot read with it).
+            observed_at, snapshot = None, None
     result = dispatch_once(
         scope=scope,
         budget=budget,
         ports=orm_ports(
-            clock=None if observed_at is None else _ReadClock(observed_at), delivered=True
+            clock=None if observed_at is None else _ReadClock(observed_at),
+            delivered=True,
+            recovery_known_empty=snapshot is not None and not snapshot.recoverable,
+            session_page=None if snapshot is None else snapshot.session_page,
         ),
         secret=str(settings.QINGLONG_LEASE_SECRET).encode(),
         pull=pull,

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Collection
 from datetime import datetime
 
-from django.db.models import F
+from django.db.models import F, OuterRef, Q, QuerySet
 
 from dispatch.core.offer import tokens_equal
 from dispatch.core.policy import MAX_DELIVERIES_REASON, free_slots
@@ -26,6 +26,7 @@ __all__ = [
     "leases_not_held",
     "leases_over_delivered",
     "offers_to_stop",
+    "over_delivered_leases",
     "pull_id_conflicts",
     "session_free_slots",
 ]
@@ -68,17 +69,26 @@ def pull_id_conflicts(*, session_pk: int, pull_id: uuid.UUID | str, token_digest
     return any(not tokens_equal(token_digest, stored) for stored in digests)
 
 
-def leases_over_delivered(
-    *, max_deliveries: int, session_pk: int | None = None, limit: int = policy.SWEEP_BATCH
-) -> list[int]:
-    """Claimed-but-never-started leases delivered `max_deliveries` times already."""
+def over_delivered_leases(
+    *, max_deliveries: int, session_pk: int | OuterRef | None = None
+) -> QuerySet[RunLease]:
+    """Claimed-but-never-started leases delivered `max_deliveries` times already
+    (of one Session, when given), unordered."""
     qs = RunLease.objects.filter(
         state=LeaseState.ACTIVE,
         delivery_count__gte=max_deliveries,
         attempt__state=AttemptState.CLAIMED,
     )
     if session_pk is not None:
-        qs = qs.filter(session_id=session_pk)
+        qs = qs.filter(Q(session_id=session_pk))
+    return qs
+
+
+def leases_over_delivered(
+    *, max_deliveries: int, session_pk: int | None = None, limit: int = policy.SWEEP_BATCH
+) -> list[int]:
+    """The ids of `over_delivered_leases`, oldest first, at most `limit`."""
+    qs = over_delivered_leases(max_deliveries=max_deliveries, session_pk=session_pk)
     return list(qs.order_by("id").values_list("id", flat=True)[:limit])
 
 

@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Final
 
 from django.db.models import Count, F, IntegerField, OuterRef, Q, QuerySet, Subquery
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Coalesce, Now
 
 from dispatch.adapters.queue import OrmQueueReader
 from dispatch.core.budget import HARD_CAPS
@@ -54,9 +54,12 @@ __all__ = [
     "OrmLeaseRecoverySource",
     "OrmPlanSource",
     "OrmWorkerSnapshotSource",
+    "active_lease_count",
     "fair_rotation",
     "orm_ports",
+    "recoverable_leases",
     "revisions_read",
+    "session_scope_record",
 ]
 
 _CURSOR_SEP: Final = "|"
@@ -90,8 +93,50 @@ def _session_uuid(scope: DispatchScope) -> uuid.UUID | None:
 # ------------------------------------------------------------------- recovery
 
 
+def recoverable_leases(
+    scope: DispatchScope,
+    *,
+    observed_at: datetime | Now,
+    due_before: datetime | None,
+    max_deliveries: int,
+) -> QuerySet[RunLease] | None:
+    """The leases `LeaseRecoverySource.recover_page` pages through (its contract),
+    unordered; None when the scope names no Session that could exist."""
+    qs = RunLease.objects.filter(
+        policy.lease_live_q(observed_at),
+        # The granted Session must still be the Worker's current one, at
+        # the generation the lease was granted to: a replaced or offline
+        # Session's lease is never delivered again.
+        policy.lease_session_current_q(),
+        state=LeaseState.ACTIVE,
+        # docs/adr/0002: recovery only covers the window before the starting ACK,
+        # and only for the lease generation the Attempt still carries.
+        attempt__state=AttemptState.CLAIMED,
+        attempt__lease_generation=F("lease_generation"),
+        run__state=RunState.DISPATCHING,
+        run__cancel_requested=False,
+        delivery_count__lt=max_deliveries,
+    )
+    if scope.session is not None:
+        session_uuid = _session_uuid(scope)
+        if session_uuid is None:
+            return None
+        qs = qs.filter(session__session_id=session_uuid)
+    if due_before is not None:
+        # docs/adr/0001: global scope re-delivers only after the backoff passed.
+        qs = qs.filter(Q(last_delivered_at__isnull=True) | Q(last_delivered_at__lte=due_before))
+    return qs
+
+
 class OrmLeaseRecoverySource:
-    """Active leases still eligible for re-delivery (docs/adr/0001 step 1, docs/adr/0002)."""
+    """Active leases still eligible for re-delivery (docs/adr/0001 step 1, docs/adr/0002).
+
+    `known_empty`: the caller already found none (a pull's snapshot, read at
+    the cycle's `observed_at`), so the first page is empty without a read.
+    """
+
+    def __init__(self, *, known_empty: bool = False) -> None:
+        self.known_empty = known_empty
 
     def recover_page(
         self,
@@ -105,29 +150,13 @@ class OrmLeaseRecoverySource:
     ) -> Page[RecoverableLease]:
         _check_limit(limit)
         after = _id_cursor(cursor)
-        qs = RunLease.objects.filter(
-            policy.lease_live_q(observed_at),
-            # The granted Session must still be the Worker's current one, at
-            # the generation the lease was granted to: a replaced or offline
-            # Session's lease is never delivered again.
-            policy.lease_session_current_q(),
-            state=LeaseState.ACTIVE,
-            # docs/adr/0002: recovery only covers the window before the starting ACK,
-            # and only for the lease generation the Attempt still carries.
-            attempt__state=AttemptState.CLAIMED,
-            attempt__lease_generation=F("lease_generation"),
-            run__state=RunState.DISPATCHING,
-            run__cancel_requested=False,
-            delivery_count__lt=max_deliveries,
+        if self.known_empty and after is None:
+            return Page((), None)
+        qs = recoverable_leases(
+            scope, observed_at=observed_at, due_before=due_before, max_deliveries=max_deliveries
         )
-        if scope.session is not None:
-            session_uuid = _session_uuid(scope)
-            if session_uuid is None:
-                return Page((), None)
-            qs = qs.filter(session__session_id=session_uuid)
-        if due_before is not None:
-            # docs/adr/0001: global scope re-delivers only after the backoff passed.
-            qs = qs.filter(Q(last_delivered_at__isnull=True) | Q(last_delivered_at__lte=due_before))
+        if qs is None:
+            return Page((), None)
         if after is not None:
             qs = qs.filter(pk__gt=after)
         rows = list(
@@ -310,7 +339,8 @@ def _candidate(attempt: Attempt) -> Candidate:
 # -------------------------------------------------------------------- workers
 
 
-def _active_lease_count() -> Subquery:
+def active_lease_count() -> Subquery:
+    """The active leases of the outer WorkerSession row (slot usage), as a subquery."""
     return Subquery(
         RunLease.objects.filter(session=OuterRef("pk"), state=LeaseState.ACTIVE)
         .order_by()
@@ -322,13 +352,23 @@ def _active_lease_count() -> Subquery:
 
 
 class OrmWorkerSnapshotSource:
-    """Current ONLINE Sessions of ACTIVE Workers by worker id (docs/adr/0001 step 3)."""
+    """Current ONLINE Sessions of ACTIVE Workers by worker id (docs/adr/0001 step 3).
+
+    `session_page`: in session scope, the page the caller already read for
+    exactly that Session (a pull's snapshot, `session_scope_record`), served
+    without a read.
+    """
+
+    def __init__(self, *, session_page: tuple[WorkerRecord, ...] | None = None) -> None:
+        self.session_page = session_page
 
     def worker_page(
         self, *, scope: DispatchScope, cursor: str | None, limit: int
     ) -> Page[WorkerRecord]:
         _check_limit(limit)
         after = _id_cursor(cursor)
+        if self.session_page is not None and scope.session is not None and after is None:
+            return Page(self.session_page, None)
         # Draining Sessions/Workers keep their leases but take no new claims,
         # so they are not in the snapshot at all (only recovery sees them).
         qs: QuerySet[WorkerSession] = WorkerSession.objects.filter(policy.claimable_sessions_q())
@@ -358,12 +398,33 @@ class OrmWorkerSnapshotSource:
                 "worker__slots",
             )
             # Slot usage in the same query: no per-Session count (no N+1).
-            .annotate(active_leases=Coalesce(_active_lease_count(), 0))
+            .annotate(active_leases=Coalesce(active_lease_count(), 0))
             .order_by("worker_id")[: limit + 1]
         )
         page, more = rows[:limit], len(rows) > limit
         items = tuple(_worker_record(session) for session in page)
         return Page(items, str(page[-1].worker_id) if more else None)
+
+
+def session_scope_record(
+    session: WorkerSession, scope: DispatchScope, *, takes_claims: bool, active_leases: int
+) -> WorkerRecord | None:
+    """The record `worker_page` lists in session scope for this Session row, if any.
+
+    `takes_claims`: the row passed `leases.policy.claimable_sessions_q`;
+    it must also be exactly the scope's Session, Worker and generation.
+    """
+    ref = scope.session
+    if (
+        ref is None
+        or not takes_claims
+        or str(session.session_id) != ref.session_id
+        or str(session.worker_id) != ref.worker_id
+        or session.generation != ref.session_generation
+    ):
+        return None
+    session.active_leases = active_leases  # type: ignore[attr-defined]
+    return _worker_record(session)
 
 
 def _worker_record(session: WorkerSession) -> WorkerRecord:
@@ -452,19 +513,27 @@ class OrmPlanSource:
         return attempt, run, revision
 
 
-def orm_ports(*, clock: Clock | None = None, delivered: bool = False) -> DispatchPorts:
+def orm_ports(
+    *,
+    clock: Clock | None = None,
+    delivered: bool = False,
+    recovery_known_empty: bool = False,
+    session_page: tuple[WorkerRecord, ...] | None = None,
+) -> DispatchPorts:
     """The production wiring of one cycle: ORM sources sharing one `CycleMemo`,
     the one claim path, the database clock (or `clock`, already read).
 
     `delivered`: the caller hands out every won claim's offer at once
     (`dispatch.cycles.dispatch_cycle`), so each lease is written delivered
-    and needs no telemetry write after the cycle.
+    and needs no telemetry write after the cycle. `recovery_known_empty`
+    and `session_page`: what a pull's snapshot already read at the cycle's
+    `observed_at` (`OrmLeaseRecoverySource`, `OrmWorkerSnapshotSource`).
     """
     memo = CycleMemo()
     return DispatchPorts(
-        recovery=OrmLeaseRecoverySource(),
+        recovery=OrmLeaseRecoverySource(known_empty=recovery_known_empty),
         candidates=OrmCandidateSource(memo),
-        workers=OrmWorkerSnapshotSource(),
+        workers=OrmWorkerSnapshotSource(session_page=session_page),
         plans=OrmPlanSource(memo),
         claims=DatabaseClaimPort(delivered=delivered),
         clock=clock or DatabaseClock(),

@@ -1,11 +1,12 @@
 """SQL statements per claimed Run on PostgreSQL (issue #12): counted, never timed.
 
-The goal is at most 5 statements per claimed Run in a global cycle that
-claims its budget (every read of the cycle included: kill switch, clock,
-recovery, candidates, Workers, plans, the DispatchCycle row); a claim
-without quotas is 2 statements and an ACK 2 (a success 3: the webhook
-subscriptions of a Run that ended), each plus its transaction's BEGIN and
-COMMIT, which are counted like every other round trip. Measured the way
+Issue #12's goal was at most 5 statements per claimed Run in a global cycle
+that claims its budget (every read of the cycle included: kill switch,
+clock, recovery, candidates, Workers, plans, the DispatchCycle row); the
+cycle's page of claims is one transaction (BEGIN, 2 statements, COMMIT),
+which brings it under 2. A claim without quotas is 2 statements and an ACK 2
+(a success 3: the webhook subscriptions of a Run that ended), each plus its
+transaction's BEGIN and COMMIT, which are counted like every other round trip. Measured the way
 bench/e2e_bench.py does, outside any test transaction (`transaction=True`),
 so no savepoint is counted.
 """
@@ -27,7 +28,9 @@ from qinglong import testing
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
-MAX_STATEMENTS_PER_CLAIMED_RUN = 5
+# Issue #12's goal was 5; a page of claims in one transaction (docs/adr/0011)
+# brings a global cycle of 8 claims to about 1.5.
+MAX_STATEMENTS_PER_CLAIMED_RUN = 2
 
 
 def _statements(queries: CaptureQueriesContext) -> list[str]:
@@ -50,6 +53,8 @@ def test_a_global_cycle_that_claims_its_budget_costs_at_most_five_statements_per
     statements = _statements(queries)
     print(f"\nglobal cycle: {len(statements)} statements for {won} claims")
     assert len(statements) / won <= MAX_STATEMENTS_PER_CLAIMED_RUN, "\n".join(statements)
+    # The claims themselves: one transaction for the page.
+    assert statements.count("BEGIN") == statements.count("COMMIT") == 1, statements
 
 
 def test_a_claim_is_two_statements_and_each_ack_two_or_three() -> None:
@@ -104,8 +109,9 @@ def test_a_pull_that_claims_one_run_stays_within_a_dozen_statements() -> None:
     with CaptureQueriesContext(connection) as queries:
         result = dispatch_cycle(scope=scope, pull=pull(), max_offers=1, session_pk=session.pk)
     assert result.counts.claims_won == 1
-    # Kill switch and clock, over-delivered leases, recovery, candidates, the
-    # Session, the plan, the claim (BEGIN, 2, COMMIT), delivery telemetry, the
-    # cycle row (a new outcome here).
+    # One snapshot (kill switch and clock, over-delivered and re-deliverable
+    # leases, the Session: dispatch.cycles.pull_snapshot), the candidate read,
+    # the plan (a new revision), the claim (BEGIN, 2, COMMIT), the cycle row
+    # (a new outcome here); the lease is written delivered, no telemetry write.
     print(f"\npull claiming 1: {len(queries.captured_queries)} statements")
-    assert len(queries.captured_queries) <= 12, _statements(queries)
+    assert len(queries.captured_queries) <= 10, _statements(queries)

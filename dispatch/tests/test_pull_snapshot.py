@@ -1,0 +1,206 @@
+"""A pull's lean start (issue #12): one statement instead of four, same answers.
+
+`dispatch.cycles.pull_snapshot` reads the kill switch, the clock, whether the
+Session has over-delivered or re-deliverable leases, and the Session's record
+in one statement on PostgreSQL; the cycle then serves its recovery page (when
+there is nothing to re-deliver) and its Worker page from it. These tests hold
+each part to the port it stands in for, in the states that change the
+answer, and count what a pull costs.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from dispatch.adapters.orm import OrmLeaseRecoverySource, OrmWorkerSnapshotSource
+from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
+from dispatch.core.result import CycleReason, CycleStatus
+from dispatch.cycles import (
+    cycle_recorder,
+    dispatch_budget,
+    dispatch_cycle,
+    dispatch_set_paused,
+    pull_snapshot,
+)
+from leases.ack import AckPhase, lease_ack
+from leases.models import RunLease
+from qinglong import testing
+from qinglong.clock import db_now
+from workers.models import Worker, WorkerSession
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _scope(session: WorkerSession) -> DispatchScope:
+    return DispatchScope.for_session(
+        SessionRef(str(session.worker_id), str(session.session_id), session.generation)
+    )
+
+
+def _pull() -> PullCredential:
+    return PullCredential(pull_id=str(uuid.uuid4()), token=secrets.token_urlsafe(32))
+
+
+def _ports_say(session: WorkerSession) -> tuple[bool, tuple]:
+    """What the recovery and Worker ports read for this Session right now."""
+    scope = _scope(session)
+    now = db_now()
+    recovered = OrmLeaseRecoverySource().recover_page(
+        scope=scope,
+        observed_at=now,
+        due_before=None,
+        max_deliveries=dispatch_budget().max_deliveries,
+        cursor=None,
+        limit=8,
+    )
+    workers = OrmWorkerSnapshotSource().worker_page(scope=scope, cursor=None, limit=8)
+    return bool(recovered.items), workers.items
+
+
+def _snapshot_says(session: WorkerSession) -> tuple[bool, tuple]:
+    snapshot = pull_snapshot(
+        _scope(session), session_pk=session.pk, max_deliveries=dispatch_budget().max_deliveries
+    )
+    assert snapshot is not None
+    return snapshot.recoverable, snapshot.session_page
+
+
+@pytest.mark.postgres
+def test_the_snapshot_answers_as_the_ports_it_stands_in_for() -> None:
+    worker, _ = testing.make_worker(slots=3, labels={"zone": "a"})
+    session = testing.open_session(worker).session
+    assert _snapshot_says(session) == _ports_say(session) == (False, _ports_say(session)[1])
+    (record,) = _snapshot_says(session)[1]
+    assert (record.free_slots, dict(record.labels)) == (3, {"zone": "a"})
+
+    # A claimed lease: re-deliverable, and it holds a slot.
+    attempt = testing.pending_attempt(testing.make_run())
+    _, offer_id, token = testing.claim(attempt, session)
+    assert _snapshot_says(session) == _ports_say(session)
+    assert _snapshot_says(session)[0] is True
+    assert _snapshot_says(session)[1][0].free_slots == 2
+
+    # Started: no longer re-delivered, still holding its slot.
+    lease = RunLease.objects.get(offer_id=offer_id)
+    lease_ack(
+        session=session,
+        offer_id=offer_id,
+        phase=AckPhase.STARTING,
+        lease_token=token,
+        spec_sha256=lease.spec_digest,
+    )
+    assert _snapshot_says(session) == _ports_say(session)
+    assert _snapshot_says(session)[0] is False
+
+    # A draining Worker takes no claims: no record, as the Worker page says.
+    Worker.objects.filter(pk=worker.pk).update(admin_state="draining")
+    assert _snapshot_says(session) == _ports_say(session) == (False, ())
+    Worker.objects.filter(pk=worker.pk).update(admin_state="active")
+    WorkerSession.objects.filter(pk=session.pk).update(state="draining")
+    assert _snapshot_says(session) == _ports_say(session) == (False, ())
+
+
+@pytest.mark.postgres
+def test_a_replaced_session_gets_no_record() -> None:
+    worker, _ = testing.make_worker()
+    old = testing.open_session(worker).session
+    testing.open_session(worker)
+    assert _snapshot_says(old) == _ports_say(old) == (False, ())
+
+
+@pytest.mark.postgres
+def test_a_snapshot_sees_the_kill_switch_and_over_delivered_leases() -> None:
+    session = testing.open_session().session
+    attempt = testing.pending_attempt(testing.make_run())
+    testing.claim(attempt, session)
+    scope = _scope(session)
+    max_deliveries = dispatch_budget().max_deliveries
+    snapshot = pull_snapshot(scope, session_pk=session.pk, max_deliveries=max_deliveries)
+    assert snapshot is not None and (snapshot.paused, snapshot.over_delivered) == (False, False)
+    RunLease.objects.filter(session=session).update(delivery_count=max_deliveries)
+    dispatch_set_paused(paused=True, reason="test")
+    snapshot = pull_snapshot(scope, session_pk=session.pk, max_deliveries=max_deliveries)
+    assert snapshot is not None and (snapshot.paused, snapshot.over_delivered) == (True, True)
+    assert dispatch_cycle(scope=scope, pull=_pull(), session_pk=session.pk).status is (
+        CycleStatus.PAUSED
+    )
+    dispatch_set_paused(paused=False)
+    # The pull revokes the over-delivered lease before its cycle; the Attempt
+    # then waits its redelivery backoff, so nothing is offered.
+    result = dispatch_cycle(scope=scope, pull=_pull(), session_pk=session.pk)
+    assert RunLease.objects.get(session=session).end_reason == "max_deliveries"
+    assert result.offers == ()
+
+
+def test_on_sqlite_a_pull_reads_the_long_way() -> None:
+    if connection.vendor == "postgresql":
+        pytest.skip("the snapshot is the PostgreSQL path; this test covers its absence")
+    session = testing.open_session().session
+    snapshot = pull_snapshot(
+        _scope(session), session_pk=session.pk, max_deliveries=dispatch_budget().max_deliveries
+    )
+    assert snapshot is None
+    testing.make_run()
+    result = dispatch_cycle(scope=_scope(session), pull=_pull(), session_pk=session.pk)
+    assert result.counts.claims_won == 1
+
+
+@pytest.mark.postgres
+def test_a_pull_repeated_after_a_lost_response_still_gets_its_offer_back() -> None:
+    session = testing.open_session().session
+    testing.make_run()
+    scope = _scope(session)
+    pull = _pull()
+    (first,) = dispatch_cycle(scope=scope, pull=pull, session_pk=session.pk).offers
+    again = dispatch_cycle(scope=scope, pull=pull, session_pk=session.pk)
+    assert (again.reason, [o.offer_id for o in again.offers]) == (
+        CycleReason.RECOVERED,
+        [first.offer_id],
+    )
+    assert again.offers[0].lease.token == pull.token
+    lease = RunLease.objects.get(offer_id=first.offer_id)
+    # Delivered twice within one backoff: counted once (docs/adr/0005).
+    assert lease.delivery_count == 1
+
+
+@pytest.mark.postgres
+def test_a_pull_with_nothing_to_re_deliver_reads_its_session_once() -> None:
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    task = testing.make_task()
+    for _ in range(5):
+        testing.make_run(task)
+    scope = _scope(session)
+
+    def pull_and_start() -> object:
+        pull = _pull()
+        result = dispatch_cycle(scope=scope, pull=pull, session_pk=session.pk, max_offers=1)
+        for offer in result.offers:  # started: no longer re-delivered
+            lease_ack(
+                session=session,
+                offer_id=offer.offer_id,
+                phase=AckPhase.STARTING,
+                lease_token=pull.token,
+                spec_sha256=offer.spec_sha256,
+            )
+        return result
+
+    pull_and_start()  # warm-up: the revision is read once per process
+    cycle_recorder.reset()
+    pull_and_start()  # the first cycle of its outcome writes its row
+    with CaptureQueriesContext(connection) as queries:
+        result = dispatch_cycle(scope=scope, pull=_pull(), session_pk=session.pk, max_offers=1)
+    assert result.counts.claims_won == 1
+    statements = [q["sql"] for q in queries.captured_queries]
+    # The snapshot, the candidate read, the claim (BEGIN, two, COMMIT); no
+    # recovery read, no Worker page, no telemetry write, no cycle row.
+    lease_reads = [s for s in statements if s.startswith('SELECT "dispatch_runlease"')]
+    session_reads = [s for s in statements if s.startswith('SELECT "workers_workersession"')]
+    assert (lease_reads, len(session_reads)) == ([], 1), statements
+    assert not any(s.startswith("UPDATE") for s in statements), statements
+    print(f"\npull claiming 1: {len(statements)} statements")
+    assert len(statements) <= 8, statements
