@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
@@ -24,7 +24,13 @@ from leases.ack import AckItem, AckPhase, lease_ack, lease_ack_each
 from leases.errors import LeaseError
 from leases.models import ExecutionOutcome
 from leases.reconcile import ExecutionReport, leases_reconcile
-from qinglong.api_common import ApiView, parse_query_int, unknown_field_error, validated
+from qinglong.api_common import (
+    ApiView,
+    ErrorEnvelopeSerializer,
+    parse_query_int,
+    unknown_field_error,
+    validated,
+)
 from qinglong.api_errors import ApiError, envelope, safe_field_name
 from qinglong.api_schema import error_responses, retry_after
 from workers.api.authentication import (
@@ -456,7 +462,16 @@ class AckBatchView(WorkerApiView):
         ),
         tags=_TAG,
         request=AckBatchRequestSerializer,
-        responses={200: AckBatchResponseSerializer, **error_responses()},
+        responses={
+            200: AckBatchResponseSerializer,
+            **error_responses(),
+            413: OpenApiResponse(
+                ErrorEnvelopeSerializer,
+                description="Request body too large (`payload_too_large`): over "
+                f"{ACK_BATCH_MAX_BODY_BYTES // 1024 // 1024} MiB here (80 KiB on the other "
+                "Worker API operations); refused from `Content-Length` before the body is read.",
+            ),
+        },
         parameters=[retry_after()],
     )
     def post(self, request: Request) -> Response:

@@ -166,4 +166,4 @@ def test_the_agent_sends_its_acks_several_per_request(live_server, tmp_path, bat
         # At most: one request per ACK's phase group, never one per ACK (12).
         assert "acks" in acks and len(acks) < 12, paths
     else:
-        assert acks == ["ack"] * 12, paths
+        assert "acks" not in acks and len(acks) >= 12, paths

@@ -152,8 +152,40 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
             bearer(owner.token),
         ),
     )
+    # Several ACKs in one request (issue 12): refusals, a bad item, oversize, bad JSON.
+    acks_url = f"{WORKER_API}/acks"
+    item = {"offer_id": offer["offer_id"], **base, "phase": "starting"}
+
+    def acks(label: str, body: Any, who: WorkerClient = owner) -> None:
+        rec.add(label, post_json(client, acks_url, body, bearer(who.token)))
+
+    acks("acks-other", {"acks": [item, item]}, other)
+    acks("acks-wrong-token", {"acks": [{**item, "lease_token": new_lease_token()}, item]})
+    acks("acks-extra", {"acks": [item, {**item, "spec": token, token[:40]: CANARY_ENV}]})
+    acks("acks-bad-phase", {"acks": [{**item, "phase": token}]})
+    acks("acks-envelope", {"acks": [item], token[:40]: token})
+    tail = {**item, "phase": "failed", "exit_code": 1, "output_tail": f"{CANARY_ENV} {token}"}
+    acks("acks-413", {"acks": [tail] * 64 + [{**tail, "output_tail": token * 2000}] * 12})
+    rec.add(
+        "acks-bad-json",
+        client.post(
+            acks_url,
+            data=b'{"acks": [{"lease_token": "' + token.encode() + b'"',
+            content_type="application/json",
+            **bearer(owner.token),
+        ),
+    )
     rec.add("ack-starting", owner.ack(offer, "starting", token))
-    rec.add("ack-running", owner.ack(offer, "running", token, executor_handle="pid:7"))
+    acks(
+        "acks-running",
+        {
+            "acks": [
+                {**item, "phase": "running", "executor_handle": "pid:7"},
+                item,  # `starting` again: a no-op
+                {**item, "phase": "start_failed", "output_tail": CANARY_ENV},  # too late
+            ]
+        },
+    )
     # Live output (issue 14): the process printed its env; stored and served redacted.
     output_url = f"{WORKER_API}/leases/{offer['offer_id']}/output"
     printed = {"lease_token": token, "seq": 1, "chunk": f"env: {CANARY_ENV}\n"}
@@ -177,6 +209,7 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
     )
     rec.add("run-output-end", client.get(f"{API}/runs/{run['id']}/output?after=0", **op))
     rec.add("ack-after", owner.ack(offer, "starting", token))
+    acks("acks-after", {"acks": [tail, {**item, "phase": "running", "executor_handle": "x"}]})
     rec.add("run-detail-end", client.get(f"{API}/runs/{run['id']}", **op))
     rec.add("projects", client.get(f"{API}/projects", **op))
     rec.add("404", client.get(f"{API}/nothing/{token}", **op))
@@ -200,6 +233,7 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
     )
     sessions["owner-2"] = reopened.json()["session_token"]
     rec.add("pull-replaced", owner.pull(pull_id=pull_id, lease_token=token)[0])
+    acks("acks-replaced", {"acks": [tail, tail]})
     # The reconcile report carries lease tokens in; nothing answers with one.
     owner2 = WorkerClient(client, sessions["owner-2"], owner_worker)
     report = {"offer_id": offer["offer_id"], "lease_token": token, "outcome": "exited"}
@@ -213,6 +247,12 @@ def test_canaries_and_lease_tokens_appear_only_in_the_owners_pull_responses(
     rec.add("run-detail-reconciled", client.get(f"{API}/runs/{run['id']}", **op))
 
     assert any(CANARY_ENV in body for label, body in rec.responses if label == "pull-owner")
+    # The requests carrying several ACKs met their refusals and their successes.
+    answers = dict(rec.responses)
+    assert '"status":403' in answers["acks-other"] and '"status":200' in answers["acks-running"]
+    assert "acks[1].spec" in answers["acks-extra"]
+    assert "payload_too_large" in answers["acks-413"]
+    assert "session_replaced" in answers["acks-replaced"]
     # The output really was stored and served, redacted.
     assert any("env: [redacted]" in body for label, body in rec.responses if label == "run-output")
     all_tokens = {token, *tokens}

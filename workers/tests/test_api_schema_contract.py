@@ -16,12 +16,13 @@ from django.test import Client
 from jsonschema import Draft4Validator  # type: ignore[import-untyped]
 
 from leases.ack import ACK_PHASE_DEPENDENT_FIELDS, ACK_PHASE_FIELDS, AckPhase
-from workers.api.serializers import AckRequestSerializer
+from workers.api.serializers import AckItemSerializer, AckRequestSerializer
 from workers.api.views import MAX_PULL_WAIT_S
 
 pytestmark = pytest.mark.django_db
 
 ACK_PATH = "/api/v1/worker/leases/{offer_id}/ack"
+ACKS_PATH = "/api/v1/worker/acks"
 VALUES = {
     "executor_handle": "pid:42",
     "exit_code": 0,
@@ -95,6 +96,44 @@ def test_the_ack_body_is_one_branch_per_phase(schema: dict[str, Any]) -> None:
             *required,
             *optional,
         }
+
+
+def test_an_item_of_post_acks_is_one_branch_per_phase_with_its_offer_id(
+    schema: dict[str, Any],
+) -> None:
+    op = schema["paths"][ACKS_PATH]["post"]
+    body = schema["components"]["schemas"][
+        op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    ]
+    acks = body["properties"]["acks"]
+    assert (acks["minItems"], acks["maxItems"]) == (1, 64)
+    item = schema["components"]["schemas"][acks["items"]["$ref"].rsplit("/", 1)[1]]
+    assert set(item["discriminator"]["mapping"]) == {p.value for p in AckPhase}
+    for phase, ref in item["discriminator"]["mapping"].items():
+        branch = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
+        required, optional = ACK_PHASE_FIELDS[AckPhase(phase)]
+        assert branch["additionalProperties"] is False
+        common = {"offer_id", "phase", "lease_token", "spec_sha256"}
+        assert set(branch["required"]) == common | required
+        assert set(branch["properties"]) == common | required | optional
+    assert "1 MiB" in op["responses"]["413"]["description"]
+    result = schema["components"]["schemas"]["AckBatchResult"]
+    assert set(result["required"]) == {"offer_id", "status"}
+
+
+def test_the_item_schema_accepts_exactly_what_the_item_serializer_accepts(
+    schema: dict[str, Any],
+) -> None:
+    root = {"$ref": "#/components/schemas/AckItemRequest", "components": schema["components"]}
+    validator = Draft4Validator(root)
+    base = {"offer_id": "a" * 64, "lease_token": "t" * 43, "spec_sha256": "0" * 64}
+    for phase in AckPhase:
+        for fields in _subsets(ACK_PHASE_DEPENDENT_FIELDS):
+            body = {**base, "phase": phase.value, **{name: VALUES[name] for name in fields}}
+            assert AckItemSerializer(data=body).is_valid() == validator.is_valid(body)
+        missing = {"phase": phase.value, "lease_token": "t" * 43, "spec_sha256": "0" * 64}
+        assert not AckItemSerializer(data=missing).is_valid()
+        assert not validator.is_valid(missing)
 
 
 def _subsets(items: tuple[str, ...]) -> list[tuple[str, ...]]:

@@ -1,0 +1,422 @@
+"""Several ACKs in one transaction on PostgreSQL (issue 12, docs/adr/0013): locks, lost races.
+
+`lease_ack_each` locks every lease's Run and Attempt (sorted by Run id), then
+the Session, then the leases (sorted by id), in one statement; each ACK is
+then decided and written under those locks. These tests hold rows from
+another connection to see the order, and race the batch against what can end
+or fence its leases (a cancel, a new Session of the Worker, the expiry sweep,
+another batch or single ACK of the same Session): every outcome must be one a
+single ACK could have had, no lease may stay active on an ended Attempt, and
+nothing may deadlock.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+
+import leases.ack as ack_use_case
+from dispatch.sweeps import sweep_expired_leases
+from leases.ack import AckItem, AckPhase, AckResult, lease_ack, lease_ack_each
+from leases.end import run_cancel
+from leases.errors import LeaseConflict, LeaseError, Outcome
+from leases.locks import lock_leases_for_acks
+from leases.models import LeaseState, RunLease
+from qinglong import testing
+from qinglong.clock import db_now
+from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
+from workers.models import WorkerSession
+from workers.services import session_open
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+
+def race(*calls: Callable[[], Any], timeout: float = 30) -> list[Any]:
+    """The calls at the same instant, one thread and connection each."""
+    barrier = threading.Barrier(len(calls))
+    results: list[Any] = [None] * len(calls)
+
+    def runner(index: int, call: Callable[[], Any]) -> None:
+        try:
+            barrier.wait()
+            results[index] = call()
+        except Exception as err:
+            results[index] = err
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=runner, args=item) for item in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a racer hung (a deadlock?)"
+    return results
+
+
+def leased(session: WorkerSession, count: int) -> list[tuple[RunLease, str]]:
+    """`count` claimed leases of `session`, oldest Run first."""
+    task = testing.make_task()
+    out = []
+    for _ in range(count):
+        attempt = testing.pending_attempt(testing.make_run(task))
+        _, offer_id, token = testing.claim(attempt, session)
+        out.append((RunLease.objects.get(offer_id=offer_id), token))
+    return out
+
+
+def items(pairs: list[tuple[RunLease, str]], *phases: AckPhase) -> list[AckItem]:
+    return [
+        AckItem(
+            offer_id=lease.offer_id,
+            phase=phase,
+            lease_token=token,
+            spec_sha256=lease.spec_digest,
+            executor_handle="pid:1",
+            exit_code=0,
+        )
+        for lease, token in pairs
+        for phase in phases
+    ]
+
+
+def batch(session: WorkerSession, acks: list[AckItem]) -> list[AckResult | LeaseError]:
+    return list(lease_ack_each(session=WorkerSession.objects.get(pk=session.pk), items=acks))
+
+
+def started(pairs: list[tuple[RunLease, str]], session: WorkerSession) -> None:
+    answers = batch(session, items(pairs, AckPhase.STARTING))
+    assert all(isinstance(a, AckResult) for a in answers), answers
+
+
+def no_active_lease_on_an_ended_attempt() -> None:
+    for lease in RunLease.objects.filter(state=LeaseState.ACTIVE).select_related("attempt"):
+        assert lease.attempt.state in (
+            AttemptState.CLAIMED,
+            AttemptState.STARTING,
+            AttemptState.RUNNING,
+        ), (lease.pk, lease.attempt.state)
+
+
+# ------------------------------------------------------------- lock order
+
+
+def _conninfo() -> str:
+    db = connection.settings_dict
+    host = db["HOST"] or "127.0.0.1"
+    password = f" password={db['PASSWORD']}" if db.get("PASSWORD") else ""
+    return f"host={host} port={db['PORT'] or 5432} dbname={db['NAME']} user={db['USER']}{password}"
+
+
+def _held(table: str, pk: int) -> bool:
+    with psycopg.connect(_conninfo(), autocommit=False) as probe:
+        try:
+            probe.execute(f'SELECT 1 FROM "{table}" WHERE id = %s FOR UPDATE NOWAIT', [pk])
+        except psycopg.errors.LockNotAvailable:
+            return True
+        probe.rollback()
+        return False
+
+
+def test_the_batch_locks_runs_and_attempts_by_run_id_then_the_session_then_the_leases() -> None:
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = leased(session, 2)
+    (one, _), (two, _) = pairs
+    # The lock order, row by row: every row before the one held elsewhere is
+    # held by the batch while it waits, none after it.
+    rows = [
+        ("runs_run", one.run_id),
+        ("runs_attempt", one.attempt_id),
+        ("runs_run", two.run_id),
+        ("runs_attempt", two.attempt_id),
+        ("workers_workersession", session.pk),
+        ("dispatch_runlease", one.pk),
+        ("dispatch_runlease", two.pk),
+    ]
+    # Listed newest first: the statement sorts them itself.
+    offer_ids = [two.offer_id, one.offer_id]
+    for index, (table, pk) in enumerate(rows):
+        blocker = psycopg.connect(_conninfo(), autocommit=False)
+        blocker.execute(f'SELECT 1 FROM "{table}" WHERE id = %s FOR UPDATE', [pk])
+        done = threading.Event()
+
+        def run(done: threading.Event = done) -> None:
+            try:
+                with transaction.atomic():
+                    lock_leases_for_acks(offer_ids=offer_ids, session_pk=session.pk)
+            finally:
+                connection.close()
+                done.set()
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        time.sleep(0.5)  # the statement now waits on the blocked row
+        assert not done.is_set(), f"the statement did not wait for {table} {pk}"
+        held = [_held(t, p) for j, (t, p) in enumerate(rows) if j != index]
+        expected = [j < index for j in range(len(rows)) if j != index]
+        assert held == expected, (table, pk, held)
+        blocker.rollback()
+        blocker.close()
+        worker.join(10)
+
+
+def test_a_batch_naming_another_sessions_leases_locks_nothing_and_refuses_them() -> None:
+    owner = testing.open_session(testing.make_worker(slots=4)[0]).session
+    stranger = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = leased(owner, 2)
+    with transaction.atomic():
+        assert (
+            lock_leases_for_acks(
+                offer_ids=[lease.offer_id for lease, _ in pairs], session_pk=stranger.pk
+            )
+            == {}
+        )
+        for lease, _ in pairs:
+            assert not _held("runs_run", lease.run_id)
+            assert not _held("dispatch_runlease", lease.pk)
+    answers = batch(stranger, items(pairs, AckPhase.STARTING))
+    assert all(isinstance(a, LeaseError) for a in answers)
+    assert [a.code for a in answers if isinstance(a, LeaseError)] == ["lease_forbidden"] * 2
+    assert set(Attempt.objects.values_list("state", flat=True)) == {AttemptState.CLAIMED}
+
+
+# ------------------------------------------------------------- lost races
+
+
+def test_a_batch_racing_a_cancel_ends_each_run_cancelled_or_started_never_both() -> None:
+    outcomes: set[str] = set()
+    for _ in range(6):
+        session = testing.open_session(testing.make_worker(slots=4)[0]).session
+        pairs = leased(session, 3)
+        target = Run.objects.get(pk=pairs[1][0].run_id)
+        answers, cancelled = race(
+            functools.partial(batch, session, items(pairs, AckPhase.STARTING)),
+            functools.partial(run_cancel, run=target),
+        )
+        assert cancelled in (Outcome.APPLIED, Outcome.LOST_RACE), cancelled
+        if cancelled is Outcome.LOST_RACE:
+            assert run_cancel(run=Run.objects.get(pk=target.pk)) is Outcome.APPLIED
+        assert isinstance(answers[0], AckResult) and isinstance(answers[2], AckResult)
+        target.refresh_from_db()
+        attempt = Attempt.objects.get(pk=pairs[1][0].attempt_id)
+        if isinstance(answers[1], AckResult):
+            # Started first: the cancel is a request the Worker's next ACK sees.
+            outcomes.add("started")
+            assert (attempt.state, target.state) == (AttemptState.STARTING, RunState.RUNNING)
+            assert target.cancel_requested
+        else:
+            outcomes.add("cancelled")
+            assert isinstance(answers[1], LeaseConflict), answers[1]
+            assert answers[1].code in ("lease_revoked", "run_cancelled"), answers[1].code
+            assert (attempt.state, target.state) == (AttemptState.CANCELLED, RunState.CANCELLED)
+        no_active_lease_on_an_ended_attempt()
+    print("batch/cancel outcomes:", outcomes)
+
+
+def test_a_batch_racing_a_new_session_of_its_worker_never_starts_under_a_fenced_session() -> None:
+    outcomes: set[str] = set()
+    for _ in range(6):
+        worker, _ = testing.make_worker(slots=4)
+        session = testing.open_session(worker).session
+        pairs = leased(session, 3)
+
+        def reopen(worker: Any = worker) -> int:
+            return session_open(
+                worker=worker, executor_types=["process"], labels={}, slots=4
+            ).session.generation
+
+        answers, generation = race(
+            functools.partial(batch, session, items(pairs, AckPhase.STARTING)),
+            reopen,
+        )
+        assert generation == session.generation + 1
+        applied = [a for a in answers if isinstance(a, AckResult)]
+        refused = [a for a in answers if isinstance(a, LeaseConflict)]
+        # One transaction: all started before the fence, or none after it.
+        assert len(applied) in (0, 3), answers
+        assert len(applied) + len(refused) == 3
+        for answer in refused:
+            assert answer.code in ("session_replaced", "lease_revoked"), answer.code
+        outcomes.add("started" if applied else "fenced")
+        # Either way the fence ended every lease of the old Session.
+        assert not RunLease.objects.filter(session=session, state=LeaseState.ACTIVE).exists()
+        for lease, _ in pairs:
+            state = Attempt.objects.get(pk=lease.attempt_id).state
+            assert state in (AttemptState.LOST, AttemptState.PENDING), state
+        no_active_lease_on_an_ended_attempt()
+    print("batch/fence outcomes:", outcomes)
+
+
+def test_a_batch_and_the_expiry_sweep_never_both_win_a_lease() -> None:
+    wins = {"ack": 0, "expire": 0}
+    for round_ in range(6):
+        session = testing.open_session(testing.make_worker(slots=4)[0]).session
+        pairs = leased(session, 2)
+        lease = pairs[0][0]
+        deadline = db_now() + timedelta(milliseconds=40 + 10 * round_)
+        RunLease.objects.filter(pk=lease.pk).update(expires_at=deadline)
+        time.sleep(0.04)
+
+        def sweep(lease: RunLease = lease) -> int:
+            for _ in range(100):
+                swept = sweep_expired_leases()
+                if swept.applied:
+                    return swept.applied
+                if RunLease.objects.get(pk=lease.pk).state != LeaseState.ACTIVE:
+                    return 0
+                if Attempt.objects.get(pk=lease.attempt_id).state != AttemptState.CLAIMED:
+                    return 0
+                time.sleep(0.005)
+            return 0
+
+        answers, expired = race(
+            functools.partial(batch, session, items(pairs, AckPhase.STARTING)), sweep
+        )
+        assert isinstance(answers[1], AckResult)  # the other lease never expired
+        ack_won = isinstance(answers[0], AckResult)
+        assert ack_won != bool(expired), (answers, expired)
+        lease.refresh_from_db()
+        attempt = Attempt.objects.get(pk=lease.attempt_id)
+        if ack_won:
+            wins["ack"] += 1
+            assert (attempt.state, lease.state) == (AttemptState.STARTING, LeaseState.ACTIVE)
+            assert lease.expires_at > deadline  # renewed by the ACK
+        else:
+            wins["expire"] += 1
+            assert isinstance(answers[0], LeaseConflict)
+            assert answers[0].code == "lease_expired"
+            assert (attempt.state, lease.state) == (AttemptState.PENDING, LeaseState.EXPIRED)
+    print("batch/expiry winners:", wins)
+
+
+def test_overlapping_batches_and_single_acks_of_one_session_never_deadlock() -> None:
+    for _ in range(4):
+        session = testing.open_session(testing.make_worker(slots=8)[0]).session
+        pairs = leased(session, 4)
+        forward = items(pairs, AckPhase.STARTING)
+        backward = list(reversed(forward))
+        last_lease, last_token = pairs[-1]
+
+        def single(
+            session: WorkerSession = session,
+            last_lease: RunLease = last_lease,
+            last_token: str = last_token,
+        ) -> Any:
+            return lease_ack(
+                session=WorkerSession.objects.get(pk=session.pk),
+                offer_id=last_lease.offer_id,
+                phase=AckPhase.STARTING,
+                lease_token=last_token,
+                spec_sha256=last_lease.spec_digest,
+            )
+
+        one, two, three = race(
+            functools.partial(batch, session, forward),
+            functools.partial(batch, session, backward),
+            single,
+        )
+        for answers in (one, two):
+            assert all(isinstance(a, AckResult) for a in answers), answers
+        assert isinstance(three, AckResult)
+        # Each phase applied exactly once, whoever came first; the rest were no-ops.
+        applied = [a for a in [*one, *two, three] if a.outcome is Outcome.APPLIED]
+        assert len(applied) == 4
+        for lease, _ in pairs:
+            events = AttemptEvent.objects.filter(attempt_id=lease.attempt_id, to_state="starting")
+            assert events.count() == 1
+
+
+def test_a_batch_waiting_behind_a_cancel_sees_what_it_committed(monkeypatch) -> None:
+    """Held under its locks with its checks passed (`_apply`), the batch makes a
+    cancel of one of its Runs wait; the cancel then finds it started."""
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = leased(session, 2)
+    started(pairs, session)
+    entered, results = threading.Event(), {}
+    real = ack_use_case._apply
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "batch":
+            entered.set()
+            time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ack_use_case, "_apply", slow)
+
+    def in_thread(name: str, fn: Callable[[], Any]) -> threading.Thread:
+        def runner() -> None:
+            try:
+                results[name] = fn()
+            except Exception as err:
+                results[name] = err
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=runner, name=name)
+        thread.start()
+        return thread
+
+    acks = items(pairs, AckPhase.RUNNING, AckPhase.SUCCEEDED)
+    batch_thread = in_thread("batch", lambda: batch(session, acks))
+    assert entered.wait(10)
+    target = Run.objects.get(pk=pairs[0][0].run_id)
+    cancel_thread = in_thread("cancel", lambda: run_cancel(run=target))
+    batch_thread.join(20)
+    cancel_thread.join(20)
+    assert all(isinstance(a, AckResult) for a in results["batch"]), results["batch"]
+    # The Run had succeeded by the time the cancel got its lock: nothing to cancel.
+    assert Run.objects.get(pk=target.pk).state == RunState.SUCCEEDED
+    assert results["cancel"] in (Outcome.UNCHANGED, Outcome.LOST_RACE)
+    no_active_lease_on_an_ended_attempt()
+
+
+def test_a_batch_holding_its_locks_past_an_expiry_wins_and_the_sweeper_backs_off(
+    monkeypatch,
+) -> None:
+    """Held under its locks, checks passed (`_apply`), while its lease's expiry
+    passes: the sweeper waits for the lock, then finds the lease renewed."""
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = leased(session, 2)
+    lease = pairs[0][0]
+    RunLease.objects.filter(pk=lease.pk).update(expires_at=db_now() + timedelta(seconds=0.3))
+    entered, results = threading.Event(), {}
+    real = ack_use_case._apply
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "batch" and not entered.is_set():
+            entered.set()
+            time.sleep(0.8)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ack_use_case, "_apply", slow)
+
+    def runner(name: str, fn: Callable[[], Any]) -> threading.Thread:
+        def run() -> None:
+            try:
+                results[name] = fn()
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=run, name=name)
+        thread.start()
+        return thread
+
+    batch_thread = runner("batch", lambda: batch(session, items(pairs, AckPhase.STARTING)))
+    assert entered.wait(10)
+    time.sleep(0.4)  # past expires_at now, the batch uncommitted
+    sweeper = runner("sweeper", sweep_expired_leases)
+    batch_thread.join(20)
+    sweeper.join(20)
+    assert all(isinstance(a, AckResult) for a in results["batch"]), results["batch"]
+    assert results["sweeper"].applied == 0
+    lease.refresh_from_db()
+    assert lease.state == LeaseState.ACTIVE and lease.expires_at > db_now()
+    assert Attempt.objects.get(pk=lease.attempt_id).state == AttemptState.STARTING
