@@ -2,13 +2,15 @@
 
     .venv/bin/python bench/dispatch_bench.py
 
-Creates a throw-away database (`qinglong_bench`, dropped at the end) on the
+Creates a throw-away database (`qinglong_bench`, or `BENCH_DB_NAME`; dropped at the end) on the
 server of BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/postgres),
-migrates it, seeds 64 Worker Sessions and a backlog with bulk_create, and prints:
+migrates it, seeds 64 Worker Sessions, 50 Projects with a Task each (`--projects`)
+and a backlog spread evenly over them with bulk_create, and prints:
 
 (a) median wall time and SQL query count of one global `dispatch_cycle` at a
     backlog of 100 and of 100,000 pending Runs, in two steady states:
-    "full"  — every Worker slot taken (the cycle reads, finds no slot, stops);
+    "full"  — every Worker slot taken (the candidate read finds nothing it could
+              serve — docs/adr/0012 — and the cycle stops);
     "claim" — free slots: the cycle claims its budget (8); the claimed rows are
               reset outside the timed region before the next iteration (a
               rollback is impossible: each claim commits durably);
@@ -38,8 +40,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_DB = "qinglong_bench"
+# BENCH_DB_NAME: another name, so two runs on one server do not drop each other's.
+BENCH_DB = os.environ.get("BENCH_DB_NAME", "qinglong_bench")
 SESSIONS = 64
+PROJECTS = 50
 SMALL, LARGE = 100, 100_000
 ITERATIONS = 25
 MEMORY_ITERATIONS = 5
@@ -85,25 +89,37 @@ def seed_sessions(*, slots: int) -> None:
         testing.open_session(slots=slots)
 
 
-def seed_backlog(count: int, *, task_id: int) -> None:
+def seed_tasks(projects: int) -> list[int]:
+    """One Task in each of `projects` Projects (docs/adr/0012: the unit of fairness)."""
+    from qinglong import testing
+
+    return [testing.make_task(testing.make_project(f"bench-{i}")).pk for i in range(projects)]
+
+
+def seed_backlog(count: int, *, task_ids: list[int]) -> None:
     from qinglong.clock import db_now
     from runs.models import Attempt, Run, Task
 
-    task = Task.objects.get(pk=task_id)
-    assert task.current_revision_id is not None
+    tasks = list(Task.objects.filter(pk__in=task_ids).order_by("pk"))
+    revisions: dict[int, int] = {}
+    for task in tasks:
+        assert task.current_revision_id is not None
+        revisions[task.pk] = task.current_revision_id
     rng = random.Random(count)
     start = db_now()
     for offset in range(0, count, 5000):
         batch = min(5000, count - offset)
+        # Spread evenly: Run n goes to Task n mod the number of Tasks.
+        chosen = [tasks[(offset + i) % len(tasks)] for i in range(batch)]
         runs = Run.objects.bulk_create(
             Run(
                 project_id=task.project_id,
                 task_id=task.pk,
-                task_revision_id=task.current_revision_id,
+                task_revision_id=revisions[task.pk],
                 priority=rng.randint(0, 9),
                 queued_at=start - timedelta(seconds=rng.randint(0, 86400)),
             )
-            for _ in range(batch)
+            for task in chosen
         )
         Attempt.objects.bulk_create(
             Attempt(run=run, number=1, priority=run.priority, queued_at=run.queued_at)
@@ -177,7 +193,10 @@ def measure(scenario: str) -> dict[str, Any]:
         started = time.perf_counter()
         result = one_cycle()
         times.append((time.perf_counter() - started) * 1000)
-        statuses.add(f"{result.status}/{result.reason}/won={result.counts.claims_won}")
+        projects = len({offer.project_id for offer in result.offers})
+        statuses.add(
+            f"{result.status}/{result.reason}/won={result.counts.claims_won}/projects={projects}"
+        )
         after(result)
     with CaptureQueriesContext(connection) as queries:
         result = one_cycle()
@@ -202,7 +221,9 @@ def fill_all_slots() -> None:
 
     for _ in range(100):
         result = one_cycle()
-        if result.reason == CycleReason.NO_FREE_SLOTS:
+        # docs/adr/0012: with every slot taken nothing can be served, so the
+        # candidate read finds nothing and the cycle is idle.
+        if result.reason in (CycleReason.NO_FREE_SLOTS, CycleReason.NO_CANDIDATES):
             return
     raise RuntimeError("could not fill the Worker slots")
 
@@ -311,6 +332,12 @@ def _timed(label: str, fn: Callable[[], Any]) -> Any:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--projects",
+        type=int,
+        default=PROJECTS,
+        help=f"Projects the backlog is spread over, one Task each (default {PROJECTS})",
+    )
     args = parser.parse_args()
     base = os.environ.get("BENCH_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 
@@ -330,15 +357,13 @@ def main() -> int:
         _setup_django(base)
         from django.core.management import call_command
 
-        from qinglong import testing
-
         print("setting up (stderr shows progress)…", file=sys.stderr)
         _timed("migrate", lambda: call_command("migrate", verbosity=0))
-        task = testing.make_task()
+        task_ids = seed_tasks(args.projects)
         _timed("64 sessions", lambda: seed_sessions(slots=1))
-        _timed(f"backlog {SMALL}", lambda: seed_backlog(SMALL, task_id=task.pk))
+        _timed(f"backlog {SMALL}", lambda: seed_backlog(SMALL, task_ids=task_ids))
         small = _timed("measure small", backlog_round)
-        _timed(f"backlog {LARGE}", lambda: seed_backlog(LARGE - SMALL, task_id=task.pk))
+        _timed(f"backlog {LARGE}", lambda: seed_backlog(LARGE - SMALL, task_ids=task_ids))
         large = _timed("measure large", backlog_round)
         rates = _timed("throughput", lambda: throughput(base))
         from django.db import connection
@@ -351,8 +376,8 @@ def main() -> int:
         _admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
 
     print(
-        f"\nglobal dispatch_cycle, {SESSIONS} worker sessions, PostgreSQL, budget 8/8x2 "
-        f"(workers 32x2), {ITERATIONS} cycles per cell"
+        f"\nglobal dispatch_cycle, {SESSIONS} worker sessions, {args.projects} projects, "
+        f"PostgreSQL, budget 8/8x2 (workers 32x2), {ITERATIONS} cycles per cell"
     )
     print(f"{'scenario':<8} {'metric':<16} {'backlog 100':>12} {'backlog 100k':>13} {'ratio':>7}")
     for scenario in ("full", "claim"):
