@@ -45,7 +45,8 @@ class ModelColumns(Generic[M]):
         found = self._select.get(connection.vendor)
         if found is None:
             qn = connection.ops.quote_name
-            found = ", ".join(f"{self.alias}.{qn(field.column)}" for field in self.fields)
+            prefix = f"{self.alias}." if self.alias else ""  # no alias: a RETURNING list
+            found = ", ".join(f"{prefix}{qn(field.column)}" for field in self.fields)
             self._select[connection.vendor] = found
         return found
 

@@ -323,7 +323,8 @@ if _metrics_dir is not None and not (
 # --- Django REST framework / OpenAPI ----------------------------------------
 REST_FRAMEWORK: dict[str, Any] = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        # DRF's Token scheme, the User's permissions read with it (issue #12).
+        "qinglong.api_auth.OperatorTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],

@@ -10,10 +10,13 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from django.db import connection
+
 from dispatch.adapters.waiting import placement_unmatched, run_waiting
 from dispatch.core.ports import to_rfc3339
 from leases.models import RunLease
-from runs.models import Attempt, Project, Run, RunState, TaskRevision
+from qinglong.rows import ModelColumns
+from runs.models import Attempt, Project, Run, RunState, Task, TaskRevision
 
 MAX_PAGE = 100
 TOKEN_DIGEST_PREFIX_CHARS = 8
@@ -132,6 +135,57 @@ def run_detail(run_id: int) -> dict[str, Any] | None:
         **_run_summary(run),
         "attempts": [_attempt_json(a, leases[a.pk]) for a in attempts],
         # docs/adr/0012: why it still waits, asked now (bounded; never the spec).
+        "waiting": run_waiting(run.pk) if run.state == RunState.QUEUED else None,
+    }
+
+
+_TASK = ModelColumns(Task, "t")
+_PROJECT = ModelColumns(Project, "p")
+_REVISION = ModelColumns(TaskRevision, "v")
+_TASK_SQL: dict[str, str] = {}
+
+
+def task_by_name(project_slug: str, name: str) -> Task | None:
+    """The Task `name` of Project `project_slug`, its Project and current revision read in.
+
+    The enqueue's lookup, once per request (issue #12): SQL written once per
+    database, loaded as a queryset would (`qinglong.rows`).
+    """
+    sql = _TASK_SQL.get(connection.vendor)
+    if sql is None:
+        qn = connection.ops.quote_name
+        sql = _TASK_SQL[connection.vendor] = (
+            f"SELECT {_TASK.select()}, {_PROJECT.select()}, {_REVISION.select()} "  # noqa: S608  (names from model metadata; values are parameters)
+            f"FROM {qn(Task._meta.db_table)} t "
+            f"JOIN {qn(Project._meta.db_table)} p ON p.{qn('id')} = t.{qn('project_id')} "
+            f"LEFT JOIN {qn(TaskRevision._meta.db_table)} v "
+            f"ON v.{qn('id')} = t.{qn('current_revision_id')} "
+            f"WHERE p.{qn('slug')} = %s AND t.{qn('name')} = %s"
+        )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [project_slug, name])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    task_end = len(_TASK)
+    project_end = task_end + len(_PROJECT)
+    task = _TASK.load(row[:task_end])
+    task.project = _PROJECT.load(row[task_end:project_end])
+    if row[project_end] is not None:  # the revision's id: NULL when the Task has none
+        task.current_revision = _REVISION.load(row[project_end:])
+    return task
+
+
+def enqueued_detail(run: Run, attempt: Attempt) -> dict[str, Any]:
+    """A Run just enqueued, exactly as `run_detail` answers it, from the rows in hand.
+
+    Its one Attempt is pending and holds no lease yet; its Project, Task and
+    revision are read in. Only `waiting` is asked (it depends on the rest of
+    the system, not on this Run's rows).
+    """
+    return {
+        **_run_summary(run),
+        "attempts": [_attempt_json(attempt, [])],
         "waiting": run_waiting(run.pk) if run.state == RunState.QUEUED else None,
     }
 

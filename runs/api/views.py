@@ -18,13 +18,14 @@ from django.db.models import Q
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, PolymorphicProxySerializer, extend_schema
 from rest_framework import serializers, status
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import ErrorDetail, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from leases.end import run_cancel
 from leases.errors import Outcome
+from qinglong.api_auth import OperatorTokenAuthentication
 from qinglong.api_common import (
     ApiView,
     BodySerializer,
@@ -39,11 +40,13 @@ from qinglong.api_schema import error_responses, retry_after
 from runs.api.permissions import OperatorPermission, permissions_doc
 from runs.api.selectors import (
     MAX_PAGE,
+    enqueued_detail,
     project_json,
     project_page,
     run_detail,
     run_page,
     run_summary,
+    task_by_name,
     unplaceable_json,
 )
 from runs.api.serializers import (
@@ -66,8 +69,8 @@ from runs.services import (
     BulkItemError,
     DefinitionError,
     project_create,
-    run_enqueue,
     run_enqueue_bulk,
+    run_enqueue_one,
     task_create,
     task_update,
 )
@@ -156,7 +159,7 @@ def _task_json(task: Task) -> dict[str, Any]:
 
 
 class OperatorApiView(ApiView):
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    authentication_classes = [OperatorTokenAuthentication, SessionAuthentication]
     permission_classes = [OperatorPermission]
     # Method → Django model permissions it needs (OperatorPermission).
     required_permissions: ClassVar[dict[str, tuple[str, ...]]] = {}
@@ -356,18 +359,17 @@ class RunsView(OperatorApiView):
         if isinstance(request.data, list):
             return self._post_many(request.data)
         body = validated(RunCreateRequestSerializer, request.data)
-        task = (
-            Task.objects.filter(project__slug=body["project"], name=body["task"])
-            .select_related("project")
-            .first()
-        )
+        task = task_by_name(body["project"], body["task"])
         if task is None:
             raise _not_found()
         with _service_errors():
-            run = run_enqueue(task=task, priority=body.get("priority", 0))
-        detail = run_detail(run.pk)
-        assert detail is not None
-        answer = {**detail, **unplaceable_json(run.task_revision)}
+            run, attempt = run_enqueue_one(task=task, priority=body.get("priority", 0))
+        # The answer is built from the rows just written (issue #12): its
+        # Project, Task and pinned revision are the Task's just read.
+        run.project = task.project
+        assert task.current_revision is not None
+        run.task_revision = task.current_revision
+        answer = {**enqueued_detail(run, attempt), **unplaceable_json(run.task_revision)}
         return Response(answer, status=status.HTTP_201_CREATED)
 
     def _post_many(self, items: list[Any]) -> Response:

@@ -236,7 +236,7 @@ def test_operator_database_unavailable_is_503(
     def down(**kwargs: Any) -> None:
         raise OperationalError("could not connect to server")
 
-    monkeypatch.setattr("runs.api.views.run_enqueue", down)
+    monkeypatch.setattr("runs.api.views.run_enqueue_one", down)
     response = post_json(client, f"{API}/runs", {"project": "p", "task": "t"}, op)
     assert response.status_code == 503
     assert error_code(response) == "database_unavailable"

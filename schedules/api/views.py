@@ -17,11 +17,12 @@ from django.db import IntegrityError
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import ErrorDetail, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from qinglong.api_auth import OperatorTokenAuthentication
 from qinglong.api_common import (
     ApiView,
     BodySerializer,
@@ -122,7 +123,7 @@ def _schedule(schedule_id: str) -> Schedule:
 
 
 class ScheduleApiView(ApiView):
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    authentication_classes = [OperatorTokenAuthentication, SessionAuthentication]
     permission_classes = [OperatorPermission]
     required_permissions: ClassVar[dict[str, tuple[str, ...]]] = {}
 

@@ -1,0 +1,154 @@
+"""The single enqueue's lean path (issue #12): fewer statements, the same answers.
+
+`POST /api/v1/runs` with one object: the Token, its User and its permissions
+in one statement (`qinglong.api_auth`), the Task by name in one
+(`runs.api.selectors.task_by_name`), the Run and its Attempt in one
+(`runs.services.run_enqueue_one`), and the answer built from the rows just
+written — exactly what `GET /api/v1/runs/{id}` then answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group, Permission
+from django.db import connection, transaction
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from rest_framework.authentication import TokenAuthentication
+from rest_framework.authtoken.models import Token
+from rest_framework.exceptions import AuthenticationFailed
+
+from qinglong.api_auth import OperatorTokenAuthentication
+from qinglong.testing import make_project, make_task
+from runs.models import Attempt, Run
+from runs.services import run_enqueue_one
+from workers.tests.api_helpers import API, operator_headers, post_json
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_answer_is_what_the_run_page_then_says(client: Client) -> None:
+    op = operator_headers()
+    make_task(project=make_project("p"), name="t")
+    created = post_json(client, f"{API}/runs", {"project": "p", "task": "t", "priority": 4}, op)
+    assert created.status_code == 201, created.content
+    body = created.json()
+    shown = client.get(f"{API}/runs/{body['id']}", **op)
+    assert shown.status_code == 200
+    page = shown.json()
+    assert {k: v for k, v in body.items() if k in page} == page
+    assert set(body) - set(page) <= {"unplaceable_now", "unplaceable_reason"}
+    (attempt,) = page["attempts"]
+    assert (attempt["number"], attempt["state"], attempt["leases"]) == (1, "pending", [])
+
+
+def test_the_run_and_its_attempt_are_written_as_the_orm_writes_them() -> None:
+    task = make_task(project=make_project("p"), name="t")
+    run, attempt = run_enqueue_one(task=task, priority=-7)
+    stored_run = Run.objects.get(pk=run.pk)
+    stored_attempt = Attempt.objects.get(run=stored_run)
+    for field in Run._meta.concrete_fields:
+        assert getattr(run, field.attname) == getattr(stored_run, field.attname), field.name
+    for field in Attempt._meta.concrete_fields:
+        assert getattr(attempt, field.attname) == getattr(stored_attempt, field.attname), field.name
+    assert (stored_run.state, stored_run.version, stored_run.task_revision_id) == (
+        "queued",
+        0,
+        task.current_revision_id,
+    )
+    assert (stored_attempt.number, stored_attempt.state, stored_attempt.priority) == (
+        1,
+        "pending",
+        -7,
+    )
+    assert stored_attempt.queued_at == stored_run.queued_at
+    assert stored_run.created_at is not None and stored_attempt.created_at is not None
+
+
+def test_an_enqueue_inside_a_transaction_goes_with_it() -> None:
+    task = make_task(project=make_project("p"), name="t")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        run, _ = run_enqueue_one(task=task)
+        assert Run.objects.filter(pk=run.pk).exists()
+        raise RuntimeError("roll back")
+    assert not Run.objects.exists() and not Attempt.objects.exists()
+
+
+@pytest.mark.postgres
+def test_a_single_enqueue_reads_and_writes_in_few_statements(client: Client) -> None:
+    op = operator_headers()
+    make_task(project=make_project("p"), name="t")
+    post_json(client, f"{API}/runs", {"project": "p", "task": "t"}, op)  # warm-up
+    with CaptureQueriesContext(connection) as queries:
+        response = post_json(client, f"{API}/runs", {"project": "p", "task": "t"}, op)
+    assert response.status_code == 201
+    statements = [q["sql"] for q in queries.captured_queries]
+    # No transaction of its own: the Run and its Attempt are one INSERT statement.
+    assert "BEGIN" not in statements, statements
+    inserts = [s for s in statements if "INSERT INTO" in s]
+    assert len(inserts) == 1, statements
+    # The Token with its User and permissions, the Task: one statement each.
+    auth = [s for s in statements if '"authtoken_token"' in s or '"auth_permission"' in s]
+    tasks = [s for s in statements if 'FROM "runs_task"' in s]
+    assert (len(auth), len(tasks)) == (1, 1), statements
+    print(f"\nsingle enqueue: {len(statements)} statements")
+
+
+# ------------------------------------------------------------ authentication
+
+
+def _user(**flags: Any) -> Any:
+    return get_user_model().objects.create_user(
+        username=f"u{get_user_model().objects.count()}", is_staff=True, **flags
+    )
+
+
+def _permission(codename: str) -> Permission:
+    return Permission.objects.get(content_type__app_label="runs", codename=codename)
+
+
+@pytest.mark.postgres
+def test_a_token_reads_its_user_and_permissions_in_one_statement() -> None:
+    own = _user()
+    own.user_permissions.add(_permission("add_run"))
+    by_group = _user()
+    group = Group.objects.create(name="operators")
+    group.permissions.add(_permission("add_run"), _permission("view_run"))
+    by_group.groups.add(group)
+    both = _user()
+    both.user_permissions.add(_permission("view_run"))
+    both.groups.add(group)
+    none = _user()
+    boss = _user(is_superuser=True)
+    asked = (("runs.add_run",), ("runs.view_run",), ("runs.add_run", "runs.view_run"))
+    for user in (own, by_group, both, none, boss):
+        key = Token.objects.create(user=user).key
+        with CaptureQueriesContext(connection) as queries:
+            mine, token = OperatorTokenAuthentication().authenticate_credentials(key)
+            answers = [mine.has_perms(perms) for perms in asked]
+        assert len(queries.captured_queries) == 1, [q["sql"] for q in queries.captured_queries]
+        drf, _ = TokenAuthentication().authenticate_credentials(key)
+        assert answers == [drf.has_perms(perms) for perms in asked], user.username
+        assert (mine.pk, token.key, token.user_id) == (user.pk, key, user.pk)
+        if not user.is_superuser:
+            assert mine.get_all_permissions() == drf.get_all_permissions()
+
+
+def test_a_bad_or_inactive_token_is_refused_as_drf_refuses_it() -> None:
+    with pytest.raises(AuthenticationFailed, match="Invalid token"):
+        OperatorTokenAuthentication().authenticate_credentials("0" * 40)
+    user = _user(is_active=False)
+    key = Token.objects.create(user=user).key
+    with pytest.raises(AuthenticationFailed, match="inactive"):
+        OperatorTokenAuthentication().authenticate_credentials(key)
+
+
+def test_a_user_without_the_permission_is_still_refused(client: Client) -> None:
+    make_task(project=make_project("p"), name="t")
+    headers = operator_headers(perms=("runs.view_run",))
+    response = post_json(client, f"{API}/runs", {"project": "p", "task": "t"}, headers)
+    assert response.status_code == 403
+    assert not Run.objects.exists()
