@@ -327,11 +327,15 @@ class _Cycle:
                 self.claim_batch(page)  # step 8 (and 9)
             if broken is not None:
                 raise broken
-            if page.stopped:
-                return
             if self._offers_full():
                 if page.may_have_more:
                     self._truncate(CycleReason.MAX_OFFERS_REACHED)
+                return
+            if page.stopped:
+                # The claim budget is spent; truncated if anything may be left:
+                # a candidate sent back by this page, or one not read yet.
+                if page.may_have_more:
+                    self._truncate(CycleReason.CLAIM_BUDGET_EXHAUSTED)
                 return
             if not any(self.free_slots.values()):
                 return
@@ -406,6 +410,11 @@ class _Cycle:
                 # that could not be placed anyway (session scope: the Session is full).
                 if room is not None and len(page.batch) >= room:
                     return
+                if self.tally.claims_attempted + len(page.batch) >= self.budget.max_claim_attempts:
+                    # Every claim this cycle may make is spent: no candidate is
+                    # read (nor planned) just to find that out (`_claim_from`).
+                    page.stopped = True
+                    return
                 placed = page.next_placed(self)
                 if placed is None:
                     return
@@ -417,10 +426,6 @@ class _Cycle:
                         self._skip(CycleReason.NO_ELIGIBLE_WORKER)
                     # else: tried everywhere it could go, each loss noted: done.
                     continue
-                if self.tally.claims_attempted + len(page.batch) >= self.budget.max_claim_attempts:
-                    self._truncate(CycleReason.CLAIM_BUDGET_EXHAUSTED)
-                    page.stopped = True
-                    return
                 score, record, _ = ranked[0]
                 page.batch.append((placed, score, record))
                 promised[record.worker_id] -= 1
@@ -737,7 +742,7 @@ class _ClaimPage:
     fresh: deque[Candidate]
     waiting: deque[_Placed] = field(default_factory=deque)
     batch: list[tuple[_Placed, int, WorkerRecord]] = field(default_factory=list)
-    stopped: bool = False  # the claim budget ended the cycle
+    stopped: bool = False  # the claim budget is spent: this page is the cycle's last
 
     def next_placed(self, cycle: _Cycle) -> _Placed | None:
         """The next candidate to claim, in keyset order: a waiting one, else the

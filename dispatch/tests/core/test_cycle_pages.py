@@ -147,3 +147,17 @@ def test_the_claim_budget_counts_every_request_of_a_page() -> None:
         3,
     )
     assert result.counts.claims_won == 3
+
+
+def test_a_spent_claim_budget_reads_no_further_candidate() -> None:
+    store = FakeStore()
+    store.add_worker(slots=20)
+    enqueue(store, 20)
+    claims = PageCounting(store)
+    ports = fake_ports(store, claims=claims)
+    result = run(ports)  # budget: 8 claims, pages of 8 candidates
+    assert claims.pages == [8]
+    # The ninth candidate is neither read nor planned to learn that it must wait.
+    assert len(ports.candidates.calls) == 1  # type: ignore[attr-defined]
+    assert result.counts.plans_built == 8
+    assert (result.reason, result.truncated) == (CycleReason.CLAIM_BUDGET_EXHAUSTED, True)
