@@ -62,6 +62,7 @@ from workers.agent.protocol import (
     Spawner,
     Transport,
     TransportError,
+    verify_offer,
 )
 
 __all__ = ["Agent", "SessionHandle", "SessionLost", "SessionRefused", "log"]
@@ -539,18 +540,47 @@ class Agent:
             log("pull_refused", status=response.status, code=response.error_code)
             return 0
         offers = response.body.get("offers")
-        started = 0
+        accepted: list[Running] = []
         for offer in offers if isinstance(offers, list) else []:
             if isinstance(offer, Mapping):
-                started += self._accept(offer, pull_token=pending.token, session=session)
-        return started
+                entry = self._accept(offer, pull_token=pending.token, session=session)
+                if entry is not None:
+                    accepted.append(entry)
+        try:
+            self._start_together(session, [entry.runner for entry in accepted])
+        finally:
+            for entry in accepted:
+                entry.thread.start()
+        return len(accepted)
 
-    def _accept(self, offer: Mapping[str, Any], *, pull_token: str, session: SessionHandle) -> int:
-        """Journal the offer first; start a runner for a new one."""
+    def _start_together(self, session: SessionHandle, runners: list[AttemptRunner]) -> None:
+        """The `starting` ACKs of a pull's new offers in one request, before their
+        runners start (each would otherwise send its own): every offer is
+        journaled already, and nothing is spawned before its runner has the
+        answer. One that got no answer worth acting on (no answer at all, a
+        5xx, a 429, a 401) is left to its runner, which sends it again."""
+        acks = session.acks
+        fit = [runner for runner in runners if verify_offer(runner.offer)]
+        if acks is None or len(fit) < 2:
+            return
+        try:
+            answers = acks.post_many(
+                [(runner.offer_id, runner.ack_body("starting", {})) for runner in fit]
+            )
+        except TransportError:
+            return
+        for runner, answer in zip(fit, answers, strict=True):
+            if answer.status != 401 and not _unanswered(answer.status):
+                runner.starting_answer = answer
+
+    def _accept(
+        self, offer: Mapping[str, Any], *, pull_token: str, session: SessionHandle
+    ) -> Running | None:
+        """Journal the offer first; a runner (not started yet) for a new one."""
         offer_id = offer.get("offer_id")
         if not isinstance(offer_id, str) or not offer_id:
             log("offer_malformed")
-            return 0
+            return None
         lease = offer.get("lease")
         token = lease.get("token") if isinstance(lease, Mapping) else None
         token = token if isinstance(token, str) and token else pull_token
@@ -562,10 +592,10 @@ class Agent:
             session_id=session.session_id,
         )
         if verdict is OfferVerdict.DUPLICATE:
-            return 0  # in hand, running or done already: never twice
+            return None  # in hand, running or done already: never twice
         if verdict is OfferVerdict.CONFLICT:
             self._refuse_conflict(offer, token=token, session=session)
-            return 0
+            return None
         runner = AttemptRunner(
             transport=self.transport,
             session_token=session.token,
@@ -589,8 +619,9 @@ class Agent:
         thread = threading.Thread(
             target=self._run_attempt, args=(runner,), name=f"attempt-{offer_id[:8]}"
         )
+        entry = Running(runner, thread, session)
         with self._lock:
-            self.runners[offer_id] = Running(runner, thread, session)
+            self.runners[offer_id] = entry
         log(
             "offer_received",
             offer_id=offer_id,
@@ -598,8 +629,7 @@ class Agent:
             attempt_id=offer.get("attempt_id"),
             source=offer.get("source"),
         )
-        thread.start()
-        return 1
+        return entry
 
     def _refuse_conflict(
         self, offer: Mapping[str, Any], *, token: str, session: SessionHandle

@@ -326,6 +326,10 @@ class AttemptRunner:
         # Set once the starting ACK is answered (or will never be sent): the
         # agent pulls for more only when every offer in hand has its answer.
         self.starting_answered = threading.Event()
+        # The control plane's answer to this offer's `starting` ACK, when the
+        # agent sent it with the rest of its pull before starting this runner
+        # (`Agent.pull`): 200, or a refusal the runner acts on as its own.
+        self.starting_answer: Response | None = None
         self.timed_out = False
         self.phase = Phase.RECEIVED
         self._stopped_by_agent = False
@@ -374,19 +378,20 @@ class AttemptRunner:
 
     # ------------------------------------------------------------ requests
 
+    def ack_body(self, phase: str, extra: Mapping[str, Any]) -> dict[str, Any]:
+        spec_digest = str(self.offer.get("spec_sha256", ""))
+        return {
+            "phase": phase,
+            "lease_token": self.lease_token,
+            "spec_sha256": spec_digest,
+            **extra,
+        }
+
     def _post_acks(self, acks: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Response]:
         """ACKs of this offer, in order, in one request when a sender batches them."""
         if self.abandoned.is_set():
             raise Abandoned(self.abandon_reason)
-        spec_digest = str(self.offer.get("spec_sha256", ""))
-        bodies = [
-            (
-                self.offer_id,
-                {"phase": phase, "lease_token": self.lease_token, "spec_sha256": spec_digest}
-                | dict(extra),
-            )
-            for phase, extra in acks
-        ]
+        bodies = [(self.offer_id, self.ack_body(phase, extra)) for phase, extra in acks]
         if self._acks is not None:
             responses = self._acks.post_many(bodies)
         else:
@@ -488,7 +493,11 @@ class AttemptRunner:
         candidates = [self.lease_token, *self.fallback_tokens]
         for index, token in enumerate(candidates):
             self.lease_token = token
-            response = self._post_until_answered("starting", {})
+            if index == 0 and self.starting_answer is not None:
+                # Sent by the agent with its pull's other offers (one request).
+                response = self.starting_answer
+            else:
+                response = self._post_until_answered("starting", {})
             if response.status == 200:
                 if index:
                     # The reconcile after a crash needs the token that works.

@@ -364,3 +364,121 @@ def test_on_exit_never_reaps_the_child(tmp_path: Path) -> None:
                           text=True).stdout.strip().startswith("Z")  # fmt: skip
     assert process.release(1.0) == 0
     process.close()
+
+
+# ------------------------------------------------------------- a pull's starts
+
+
+class AgentPlane(Plane):
+    """Plane plus what an Agent needs: a Session, heartbeats and one pull of `offers`."""
+
+    def __init__(self, offers: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.offers = offers
+        base = self.single
+        self.single = lambda path, body: self._route(path, body, base)
+
+    def _route(self, path: str, body: Mapping[str, Any], base: Any) -> Response:
+        kind = path.rsplit("/", 1)[-1].split("?")[0]
+        if kind == "sessions":
+            return Response(
+                201,
+                {
+                    "session_id": "sid",
+                    "generation": 1,
+                    "session_token": "s",
+                    "heartbeat_interval_s": 10,
+                    "session_timeout_s": 30,
+                },
+            )
+        if kind == "heartbeat":
+            return Response(200, {"session_state": "online", "cancel": [], "stop": []})
+        if kind == "reconcile":
+            return Response(200, {"results": []})
+        if kind == "pull":
+            handed, self.offers = self.offers, []
+            return Response(200, {"offers": handed, "status": "offered", "reason": ""})
+        return base(path, body)
+
+
+def offers(count: int) -> list[dict[str, Any]]:
+    spec = a_spec()
+    return [
+        {
+            "offer_id": f"{n:064x}",
+            "spec": spec,
+            "spec_sha256": spec_sha256(spec),
+            "lease": {"token": TOKEN},
+        }
+        for n in range(1, count + 1)
+    ]
+
+
+def pull_once(plane: AgentPlane, slots: int = 4) -> tuple[Any, list[str]]:
+    from workers.agent.agent import Agent
+
+    log: list[str] = []
+    spawner = FakeSpawner(FakeProcess(), log)
+    agent = Agent(
+        transport=plane,
+        credential="c" * 43,
+        slots=slots,
+        executor="process",
+        spawn=spawner,
+        retry_initial_s=0.01,
+        retry_cap_s=0.02,
+    )
+    agent.open_session()
+    agent.pull()
+    for entry in list(agent.runners.values()):
+        entry.thread.join(10)
+    return agent, spawner.offer_ids
+
+
+def test_a_pulls_offers_are_started_with_one_request_before_any_spawn() -> None:
+    plane = AgentPlane(offers(3))
+    agent, spawned = pull_once(plane)
+    first_acks = next(b for p, b in plane.calls if p == ACKS_PATH)
+    assert [i["phase"] for i in first_acks["acks"]] == ["starting"] * 3
+    # Nothing but the Session, the pull and that request came before the spawns.
+    assert [p.rsplit("/", 1)[-1] for p, _ in plane.calls[:3]] == ["sessions", "pull", "acks"]
+    assert sorted(spawned) == [f"{n:064x}" for n in range(1, 4)]
+    assert {o.final_phase for o in agent.outcomes} == {"succeeded"}
+    # No `starting` went again on its own.
+    assert not [b for p, b in plane.calls if p != ACKS_PATH and b.get("phase") == "starting"]
+
+
+def test_an_offer_refused_in_the_pulls_start_request_is_never_spawned() -> None:
+    plane = AgentPlane(offers(3))
+    refused = f"{2:064x}"
+    plane.item_status = lambda item: (
+        409 if item["offer_id"] == refused and item["phase"] == "starting" else 200
+    )
+    agent, spawned = pull_once(plane)
+    assert refused not in spawned and len(spawned) == 2
+    [outcome] = [o for o in agent.outcomes if o.offer_id == refused]
+    assert (outcome.ran, outcome.report, outcome.stopped) == (False, "conflict", "code_409")
+
+
+def test_an_unanswered_start_request_leaves_each_start_to_its_runner() -> None:
+    plane = AgentPlane(offers(3))
+    calls = {"n": 0}
+
+    def first_fails(acks: list[dict[str, Any]]) -> Response:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TransportError("ConnectionResetError")
+        return Response(
+            200,
+            {
+                "results": [
+                    {"offer_id": i["offer_id"], "status": 200, "cancel_requested": False}
+                    for i in acks
+                ]
+            },
+        )
+
+    plane.acks_answer = first_fails
+    agent, spawned = pull_once(plane)
+    assert len(spawned) == 3
+    assert {o.final_phase for o in agent.outcomes} == {"succeeded"}
