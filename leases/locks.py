@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -212,6 +213,20 @@ _SESSION_COLUMNS = ("id", "worker_id", "generation", "state", "slots")
 _WORKER_COLUMNS = ("slots", "admin_state")
 
 
+# docs/adr/0011, "Claims commit asynchronously": the claim's transaction
+# (only it: `set_config(..., true)` is local to the transaction) commits
+# without waiting for its WAL flush when QINGLONG_CLAIM_ASYNC_COMMIT is on.
+# Every lock statement of a claim carries it, so it costs no round trip.
+_ASYNC_COMMIT = (
+    "set_config('synchronous_commit', CASE WHEN %s THEN 'off' "
+    "ELSE current_setting('synchronous_commit') END, true) AS commit_mode"
+)
+
+
+def _async_commit() -> bool:
+    return bool(settings.QINGLONG_CLAIM_ASYNC_COMMIT)
+
+
 _CLAIM_ROWS_SQL: dict[tuple[str, bool], str] = {}
 
 
@@ -245,7 +260,7 @@ def _claim_rows_sql(vendor: str, *, skip: bool) -> str:
             WHERE s.{qn("session_id")} = %s AND {no_limits}
             {session_lock if postgres else ""}
         )
-        SELECT ra.*, sw.*{", clock_timestamp() AS now" if postgres else ""}
+        SELECT ra.*, sw.*{", clock_timestamp() AS now, " + _ASYNC_COMMIT if postgres else ""}
         FROM ra LEFT JOIN sw ON 1 = 1
     """  # noqa: S608  (names from model metadata; values are parameters)
     _CLAIM_ROWS_SQL[(vendor, skip)] = sql
@@ -272,8 +287,11 @@ def lock_claim_rows(
     session_key = WorkerSession._meta.get_field("session_id").get_db_prep_value(
         uuid.UUID(session_id), connection
     )
+    params: list[Any] = [run_id, attempt_id, session_key]
+    if postgres:
+        params.append(_async_commit())
     with connection.cursor() as cursor:
-        cursor.execute(sql, [run_id, attempt_id, session_key])
+        cursor.execute(sql, params)
         names = [column[0] for column in cursor.description]
         values = cursor.fetchone()
     if values is None:
@@ -644,7 +662,7 @@ def _claim_batch_sql(*, skip: bool) -> str:
         ),
         {_sessions_cte(sessions_where)}
         SELECT (SELECT json_agg(ra) FROM ra), {_sessions_select()},
-               clock_timestamp()
+               clock_timestamp(), {_ASYNC_COMMIT}
     """  # noqa: S608  (names from model metadata; values are parameters)
     _CLAIM_BATCH_SQL[(connection.vendor, skip)] = sql
     return sql
@@ -664,10 +682,10 @@ def lock_claim_batch(keys: Sequence[BatchKey], *, skip_locked: bool) -> ClaimBat
     assert connection.vendor == "postgresql", "a batch of claims is one statement on PostgreSQL"
     sql = _claim_batch_sql(skip=_skip(skip_locked))
     with connection.cursor() as cursor:
-        cursor.execute(sql, _batch_keys_params(keys))
+        cursor.execute(sql, [*_batch_keys_params(keys), _async_commit()])
         row = cursor.fetchone()
     assert row is not None
-    pairs, session_rows, conflicts, now = row
+    pairs, session_rows, conflicts, now, _ = row
     rows = {int(values["idx"]): _batch_row(values) for values in pairs or ()}
     limits: BatchLimits | None = None
     if not any(r.project_limit or r.task_limit for r in rows.values()):

@@ -265,6 +265,11 @@ QINGLONG_CYCLE_RETENTION_S = env_int("QL_CYCLE_RETENTION_S", 7 * 24 * 3600, mini
 # cycle of each outcome in a window of this many seconds is written at once,
 # its repeats as one summary row when the window closes.
 QINGLONG_CYCLE_SUMMARY_S = env_int("QL_CYCLE_SUMMARY_S", 60, minimum=1)
+# A claim's transaction commits without waiting for its WAL flush on
+# PostgreSQL (synchronous_commit off for that transaction only; docs/adr/0011,
+# "Claims commit asynchronously"): the starting ACK, a synchronous commit
+# after it in the WAL, makes it durable before anything runs. 0: wait.
+QINGLONG_CLAIM_ASYNC_COMMIT = env_bool("QL_CLAIM_ASYNC_COMMIT", True)
 
 # --- live output and webhooks (README "Live output", "Webhooks") -------------
 # At most this many bytes of output are kept per Attempt: the newest chunks;

@@ -25,6 +25,7 @@ from django.test.utils import CaptureQueriesContext
 
 from dispatch.core.ports import ClaimRequest, ClaimStatus
 from leases import claim as claim_module
+from leases.ack import AckPhase, lease_ack
 from leases.claim import lease_claim, lease_claim_many
 from leases.end import lease_revoke
 from leases.errors import Outcome
@@ -551,3 +552,59 @@ def test_a_page_counts_quotas_exactly_as_leases_quota_does() -> None:
         assert limits.task_live == {task.pk: task_live_lease_count(task.pk, now=locked.now)}
     assert (limits.project_busy[project.pk], limits.task_live[task.pk]) == (3, 2)
     assert limits.sessions[session.session_id][1] == 4  # every active lease holds a slot
+
+
+# ------------------------------------------------- the claim's commit mode
+
+
+def _commit_modes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`synchronous_commit` inside each claim transaction, seen before its writes."""
+    seen: list[str] = []
+
+    def show() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            seen.append(cursor.fetchone()[0])
+
+    grant, write = claim_module.lease_grant, claim_module._write_page
+
+    def grant_and_show(*args: Any, **kwargs: Any) -> Any:
+        show()
+        return grant(*args, **kwargs)
+
+    def write_and_show(page: Any) -> Any:
+        show()
+        return write(page)
+
+    monkeypatch.setattr(claim_module, "lease_grant", grant_and_show)
+    monkeypatch.setattr(claim_module, "_write_page", write_and_show)
+    return seen
+
+
+def test_a_claim_commits_without_waiting_for_its_flush_and_nothing_else_does(
+    monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    session = _session(8)
+    a, b, c, d = _attempts(4)
+    modes = _commit_modes(monkeypatch)
+    outcome, offer_id, token = testing.claim(a, session)
+    assert outcome.status is WON
+    assert _statuses(lease_claim_many(_requests([b, c], session))) == [WON, WON]
+    assert modes == ["off", "off"]
+    # Only that transaction: the connection, and an ACK after it, wait for the flush.
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "on"
+    with CaptureQueriesContext(connection) as ack:
+        lease = RunLease.objects.get(offer_id=offer_id)
+        lease_ack(
+            session=session,
+            offer_id=offer_id,
+            phase=AckPhase.STARTING,
+            lease_token=token,
+            spec_sha256=lease.spec_digest,
+        )
+    assert not any("synchronous_commit" in q["sql"] for q in ack.captured_queries)
+    settings.QINGLONG_CLAIM_ASYNC_COMMIT = False
+    assert lease_claim(testing.claim_request(d, session)[0]).status is WON
+    assert modes == ["off", "off", "on"]
