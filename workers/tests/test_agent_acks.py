@@ -482,3 +482,23 @@ def test_an_unanswered_start_request_leaves_each_start_to_its_runner() -> None:
     agent, spawned = pull_once(plane)
     assert len(spawned) == 3
     assert {o.final_phase for o in agent.outcomes} == {"succeeded"}
+
+
+def test_with_two_requests_in_flight_the_second_goes_at_once() -> None:
+    plane = Plane()
+    sender = AckSender(plane, token="s", max_in_flight=2)
+    plane.gate = threading.Event()
+    pair = [(OFFER, body("running", executor_handle="x")), (OFFER, body("succeeded"))]
+    first = threading.Thread(target=sender.post_many, args=(pair,))
+    first.start()
+    assert plane.entered.wait(5)
+    second = threading.Thread(target=sender.post_many, args=(pair,))
+    second.start()
+    deadline = time.monotonic() + 5
+    while len(plane.calls) < 2:  # sent while the first is still held
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    plane.gate.set()
+    first.join(5)
+    second.join(5)
+    assert plane.paths() == ["acks", "acks"]
