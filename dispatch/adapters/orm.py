@@ -18,8 +18,9 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Final
+from typing import Any, Final
 
+from django.db import connection
 from django.db.models import Count, F, IntegerField, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce, Now
 
@@ -28,7 +29,7 @@ from dispatch.core.budget import HARD_CAPS
 from dispatch.core.errors import SpecError
 from dispatch.core.fairness import Rotation, fair_page
 from dispatch.core.placement import validate_placement
-from dispatch.core.policy import free_slots
+from dispatch.core.policy import capacity, free_slots
 from dispatch.core.ports import (
     Candidate,
     Clock,
@@ -44,9 +45,10 @@ from leases import policy
 from leases.claim import DatabaseClaimPort
 from leases.models import LeaseState, RunLease
 from qinglong.clock import DatabaseClock
+from qinglong.rows import ModelColumns
 from runs.models import Attempt, AttemptState, Run, RunState, TaskRevision
 from runs.services import attempt_spec
-from workers.models import WorkerSession
+from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
 __all__ = [
     "CycleMemo",
@@ -369,6 +371,8 @@ class OrmWorkerSnapshotSource:
         after = _id_cursor(cursor)
         if self.session_page is not None and scope.session is not None and after is None:
             return Page(self.session_page, None)
+        if scope.session is None:
+            return _global_worker_page(after, limit)
         # Draining Sessions/Workers keep their leases but take no new claims,
         # so they are not in the snapshot at all (only recovery sees them).
         qs: QuerySet[WorkerSession] = WorkerSession.objects.filter(policy.claimable_sessions_q())
@@ -404,6 +408,62 @@ class OrmWorkerSnapshotSource:
         page, more = rows[:limit], len(rows) > limit
         items = tuple(_worker_record(session) for session in page)
         return Page(items, str(page[-1].worker_id) if more else None)
+
+
+_SESSION_ROW = ModelColumns(
+    WorkerSession,
+    "s",
+    only=("id", "session_id", "worker", "generation", "executor_types", "labels", "slots"),
+)
+_WORKER_PAGE_SQL: dict[tuple[str, bool], str] = {}
+
+
+def _global_worker_page(after: int | None, limit: int) -> Page[WorkerRecord]:
+    """The global Worker page in SQL written once per database (issue #12): every
+    cycle reads it, and compiling the queryset cost more than running it.
+
+    The same rows as the session-scope queryset above: `claimable_sessions_q`
+    (the Session online, its Worker active), in worker id order, each with its
+    active leases counted in the same statement.
+    """
+    key = (connection.vendor, after is not None)
+    sql = _WORKER_PAGE_SQL.get(key)
+    if sql is None:
+        qn = connection.ops.quote_name
+        sql = _WORKER_PAGE_SQL[key] = (
+            f"SELECT {_SESSION_ROW.select()}, w.{qn('slots')}, "  # noqa: S608  (names from model metadata; values are parameters)
+            f"(SELECT count(*) FROM {qn(RunLease._meta.db_table)} l "
+            f"WHERE l.{qn('session_id')} = s.{qn('id')} AND l.{qn('state')} = %s) "
+            f"FROM {qn(WorkerSession._meta.db_table)} s "
+            f"JOIN {qn(Worker._meta.db_table)} w ON w.{qn('id')} = s.{qn('worker_id')} "
+            f"WHERE s.{qn('state')} = %s AND w.{qn('admin_state')} = %s "
+            + (f"AND s.{qn('worker_id')} > %s " if after is not None else "")
+            + f"ORDER BY s.{qn('worker_id')} LIMIT %s"
+        )
+    params: list[Any] = [LeaseState.ACTIVE, SessionState.ONLINE, WorkerAdminState.ACTIVE]
+    if after is not None:
+        params.append(after)
+    params.append(limit + 1)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    width = len(_SESSION_ROW)
+    records = []
+    for row in rows[:limit]:
+        session = _SESSION_ROW.load(row[:width])
+        worker_slots, active = row[width], row[width + 1]
+        records.append(
+            WorkerRecord(
+                worker_id=str(session.worker_id),
+                session_id=str(session.session_id),
+                session_generation=session.generation,
+                executor_types=frozenset(str(t) for t in session.executor_types),
+                labels={str(k): str(v) for k, v in dict(session.labels).items()},
+                free_slots=free_slots(capacity(session.slots, worker_slots), int(active)),
+            )
+        )
+    more = len(rows) > limit
+    return Page(tuple(records), records[-1].worker_id if more else None)
 
 
 def session_scope_record(
