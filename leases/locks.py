@@ -369,6 +369,10 @@ def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
     return LeaseChain(run=run, attempt=attempt, session=session, lease=lease, now=now)
 
 
+_ACK_SHARED = (_ACK_REVISION, _ACK_SESSION)
+assert all(part.fields[0].primary_key for part in _ACK_SHARED)
+
+
 def _aliased(part: ModelColumns[Any]) -> str:
     """`part`'s columns, each named `<alias>_<column>` (unique across models)."""
     qn = connection.ops.quote_name
@@ -445,18 +449,25 @@ def lock_leases_for_acks(*, offer_ids: Sequence[str], session_pk: int) -> dict[s
         cursor.execute(_acks_sql(), [unique, session_pk, session_pk])
         rows = cursor.fetchall()
     chains: dict[str, LeaseChain] = {}
-    session: WorkerSession | None = None
+    # One instance per revision (immutable) and for the one Session: read once.
+    shared: dict[tuple[str, Any], Any] = {}
     for row in rows:
         loaded = []
         offset = 0
         for part in _ACK_PARTS:
-            loaded.append(part.load(row[offset : offset + len(part)]))
+            values = row[offset : offset + len(part)]
             offset += len(part)
-        run, revision, attempt, row_session, lease = loaded
+            if part in _ACK_SHARED:
+                key = (part.alias, values[0])  # the primary key comes first
+                if key not in shared:
+                    shared[key] = part.load(values)
+                loaded.append(shared[key])
+            else:
+                loaded.append(part.load(values))
+        run, revision, attempt, session, lease = loaded
         assert isinstance(run, Run) and isinstance(revision, TaskRevision)
-        assert isinstance(attempt, Attempt) and isinstance(row_session, WorkerSession)
+        assert isinstance(attempt, Attempt) and isinstance(session, WorkerSession)
         assert isinstance(lease, RunLease)
-        session = session or row_session
         run.task_revision = revision
         lease.run, lease.attempt, lease.session = run, attempt, session
         chains[lease.offer_id] = LeaseChain(
