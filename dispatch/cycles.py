@@ -29,20 +29,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import BooleanField, Exists, ExpressionWrapper, OuterRef, Subquery, Value
-from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from dispatch.adapters.orm import (
-    active_lease_count,
-    orm_ports,
-    recoverable_leases,
-    session_scope_record,
-)
+from dispatch.adapters.orm import orm_ports, session_scope_record
 from dispatch.core.budget import DispatchBudget
 from dispatch.core.cycle import dispatch_once
 from dispatch.core.offer import ClaimedExecutionOffer, OfferSource
@@ -51,12 +44,19 @@ from dispatch.core.result import CycleStatus, DispatchCycleResult
 from dispatch.models import DispatchControl, DispatchCycle
 from leases.end import leases_revoke_over_delivered
 from leases.errors import Outcome
-from leases.policy import claimable_sessions_q
+from leases.models import LeaseState, RunLease
 from leases.renew import leases_record_delivery
-from leases.selectors import over_delivered_leases
 from qinglong.clock import db_now
 from qinglong.metrics import cycle_observed
-from workers.models import WorkerSession
+from qinglong.rows import ModelColumns
+from runs.models import Attempt, AttemptState, Run, RunState
+from workers.models import (
+    SESSION_CURRENT_STATES,
+    SessionState,
+    Worker,
+    WorkerAdminState,
+    WorkerSession,
+)
 
 __all__ = [
     "CycleRecorder",
@@ -162,65 +162,102 @@ def pull_snapshot(
     Three reads of the plain cycle — the kill switch and the clock, the
     over-delivered leases, the recovery page, the Session's record — become
     one: the recovery page and the Worker page of the cycle are then served
-    from it when it found nothing to re-deliver (`orm_ports`). Each part is
-    the same filter its port uses, so the cycle sees what it would have read.
+    from it when it found nothing to re-deliver (`orm_ports`). The statement
+    is SQL written once (a pull is the hottest request; compiling it as a
+    queryset cost 5 ms of CPU), each part the SQL form of its port's filter:
+    `leases.selectors.over_delivered_leases`,
+    `dispatch.adapters.orm.recoverable_leases` (in session scope, at the
+    statement's own clock), `leases.policy.claimable_sessions_q`; the tests
+    hold each part to its port.
     """
     if connection.vendor != "postgresql" or scope.session is None:
         return None
-    recoverable = recoverable_leases(
-        scope, observed_at=Now(), due_before=None, max_deliveries=max_deliveries
-    )
     try:
         session_key = uuid.UUID(scope.session.session_id)
     except ValueError:
         return None
-    if recoverable is None:
-        return None
-    qs = WorkerSession.objects.filter(session_id=session_key)
+    sql = _snapshot_sql(by_pk=session_pk is not None)
+    params: list[Any] = [
+        _CONTROL_PK,
+        SessionState.ONLINE,
+        WorkerAdminState.ACTIVE,
+        LeaseState.ACTIVE,
+        LeaseState.ACTIVE,
+        max_deliveries,
+        AttemptState.CLAIMED,
+        *SESSION_CURRENT_STATES,
+        LeaseState.ACTIVE,
+        AttemptState.CLAIMED,
+        RunState.DISPATCHING,
+        max_deliveries,
+        session_key,
+    ]
     if session_pk is not None:
-        qs = qs.filter(pk=session_pk)
-    row = (
-        qs.select_related("worker")
-        .only(
-            "id",
-            "session_id",
-            "worker_id",
-            "generation",
-            "executor_types",
-            "labels",
-            "slots",
-            "worker__id",
-            "worker__slots",
-        )
-        .annotate(
-            observed_at=Now(),
-            paused=Coalesce(
-                Subquery(DispatchControl.objects.filter(pk=_CONTROL_PK).values("paused")[:1]),
-                Value(False),
-            ),
-            over_delivered=Exists(
-                over_delivered_leases(max_deliveries=max_deliveries, session_pk=OuterRef("pk"))
-            ),
-            recoverable=Exists(recoverable),
-            active=Coalesce(active_lease_count(), 0),
-            takes_claims=ExpressionWrapper(claimable_sessions_q(), output_field=BooleanField()),
-        )
-        .first()
-    )
+        params.append(session_pk)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
     if row is None:
         return None
-    values = row.__dict__
+    observed_at, paused = row[0], row[1]
+    width = len(_SNAPSHOT_SESSION)
+    session = _SNAPSHOT_SESSION.load(row[2 : 2 + width])
+    worker_slots, takes_claims, active, over_delivered, recoverable = row[2 + width :]
+    session.worker = Worker(pk=session.worker_id, slots=worker_slots)
     record = session_scope_record(
-        row, scope, takes_claims=bool(values["takes_claims"]), active_leases=int(values["active"])
+        session, scope, takes_claims=bool(takes_claims), active_leases=int(active)
     )
-    observed_at: datetime = values["observed_at"]
     return PullSnapshot(
         observed_at=observed_at.astimezone(UTC),
-        paused=bool(values["paused"]),
-        over_delivered=bool(values["over_delivered"]),
-        recoverable=bool(values["recoverable"]),
+        paused=bool(paused),
+        over_delivered=bool(over_delivered),
+        recoverable=bool(recoverable),
         session_page=() if record is None else (record,),
     )
+
+
+_SNAPSHOT_SESSION = ModelColumns(
+    WorkerSession,
+    "s",
+    only=("id", "session_id", "worker", "generation", "executor_types", "labels", "slots"),
+)
+_SNAPSHOT_SQL: dict[tuple[str, bool], str] = {}
+
+
+def _snapshot_sql(*, by_pk: bool) -> str:
+    key = (connection.vendor, by_pk)
+    found = _SNAPSHOT_SQL.get(key)
+    if found is not None:
+        return found
+    qn = connection.ops.quote_name
+
+    def t(model: Any) -> str:
+        return str(qn(model._meta.db_table))
+
+    found = _SNAPSHOT_SQL[key] = f"""
+        SELECT statement_timestamp(),
+            COALESCE((SELECT c.paused FROM {t(DispatchControl)} c WHERE c.id = %s), false),
+            {_SNAPSHOT_SESSION.select()}, w.slots,
+            (s.state = %s AND w.admin_state = %s),
+            (SELECT count(*) FROM {t(RunLease)} l WHERE l.session_id = s.id AND l.state = %s),
+            EXISTS (
+                SELECT 1 FROM {t(RunLease)} l JOIN {t(Attempt)} a ON a.id = l.attempt_id
+                WHERE l.session_id = s.id AND l.state = %s AND l.delivery_count >= %s
+                  AND a.state = %s
+            ),
+            EXISTS (
+                SELECT 1 FROM {t(RunLease)} l
+                JOIN {t(Attempt)} a ON a.id = l.attempt_id
+                JOIN {t(Run)} r ON r.id = l.run_id
+                WHERE l.session_id = s.id AND l.expires_at > statement_timestamp()
+                  AND s.state IN (%s, %s) AND s.generation = l.session_generation
+                  AND l.state = %s AND a.state = %s AND a.lease_generation = l.lease_generation
+                  AND r.state = %s AND NOT r.cancel_requested AND l.delivery_count < %s
+            )
+        FROM {t(WorkerSession)} s JOIN {t(Worker)} w ON w.id = s.worker_id
+        WHERE s.session_id = %s {"AND s.id = %s" if by_pk else ""}
+    """  # noqa: S608  (names from model metadata; values are parameters)
+    return found
 
 
 def dispatch_set_paused(*, paused: bool, reason: str = "", actor: str = "") -> None:

@@ -24,7 +24,6 @@ from typing import Final
 
 from django.conf import settings
 from django.db.models import F, Q
-from django.db.models.functions import Now
 
 from dispatch.core import policy as kernel
 from dispatch.core.budget import HARD_CAPS
@@ -62,9 +61,8 @@ def lease_is_live(lease: RunLease, *, now: datetime) -> bool:
     return kernel.lease_is_live(lease.expires_at, now)
 
 
-def lease_live_q(now: datetime | Now) -> Q:
-    """Leases still live at `now` (the filter form of `lease_is_live`; `Now()`:
-    the database clock of the statement itself)."""
+def lease_live_q(now: datetime) -> Q:
+    """Leases still live at `now` (the filter form of `lease_is_live`)."""
     return Q(expires_at__gt=now)
 
 

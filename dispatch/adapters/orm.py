@@ -22,7 +22,7 @@ from typing import Any, Final
 
 from django.db import connection
 from django.db.models import Count, F, IntegerField, OuterRef, Q, QuerySet, Subquery
-from django.db.models.functions import Coalesce, Now
+from django.db.models.functions import Coalesce
 
 from dispatch.adapters.queue import OrmQueueReader
 from dispatch.core.budget import HARD_CAPS
@@ -98,7 +98,7 @@ def _session_uuid(scope: DispatchScope) -> uuid.UUID | None:
 def recoverable_leases(
     scope: DispatchScope,
     *,
-    observed_at: datetime | Now,
+    observed_at: datetime,
     due_before: datetime | None,
     max_deliveries: int,
 ) -> QuerySet[RunLease] | None:

@@ -31,6 +31,7 @@ from leases.ack import AckPhase, lease_ack
 from leases.models import RunLease
 from qinglong import testing
 from qinglong.clock import db_now
+from runs.models import Run
 from workers.models import Worker, WorkerSession
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -169,7 +170,7 @@ def test_a_pull_repeated_after_a_lost_response_still_gets_its_offer_back() -> No
 
 
 @pytest.mark.postgres
-def test_a_pull_with_nothing_to_re_deliver_reads_its_session_once() -> None:
+def test_a_pull_with_nothing_to_re_deliver_reads_one_snapshot() -> None:
     session = testing.open_session(testing.make_worker(slots=4)[0]).session
     task = testing.make_task()
     for _ in range(5):
@@ -199,8 +200,51 @@ def test_a_pull_with_nothing_to_re_deliver_reads_its_session_once() -> None:
     # The snapshot, the candidate read, the claim (BEGIN, two, COMMIT); no
     # recovery read, no Worker page, no telemetry write, no cycle row.
     lease_reads = [s for s in statements if s.startswith('SELECT "dispatch_runlease"')]
-    session_reads = [s for s in statements if s.startswith('SELECT "workers_workersession"')]
-    assert (lease_reads, len(session_reads)) == ([], 1), statements
+    worker_pages = [s for s in statements if s.startswith('SELECT "workers_workersession"')]
+    snapshots = [s for s in statements if '"dispatch_dispatchcontrol"' in s]
+    assert (lease_reads, worker_pages, len(snapshots)) == ([], [], 1), statements
     assert not any(s.startswith("UPDATE") for s in statements), statements
     print(f"\npull claiming 1: {len(statements)} statements")
     assert len(statements) <= 8, statements
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    "change",
+    [
+        "expired",
+        "cancel_requested",
+        "delivered_max",
+        "generation_moved_on",
+        "session_draining",
+        "started",
+    ],
+)
+def test_what_is_re_deliverable_is_what_recovery_reads(change: str) -> None:
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    attempt = testing.pending_attempt(testing.make_run())
+    _, offer_id, token = testing.claim(attempt, session)
+    assert _snapshot_says(session)[0] is True
+    lease = RunLease.objects.get(offer_id=offer_id)
+    if change == "expired":
+        RunLease.objects.filter(pk=lease.pk).update(expires_at=db_now())
+    elif change == "cancel_requested":
+        Run.objects.filter(pk=attempt.run_id).update(cancel_requested=True)
+    elif change == "delivered_max":
+        RunLease.objects.filter(pk=lease.pk).update(delivery_count=dispatch_budget().max_deliveries)
+    elif change == "generation_moved_on":
+        RunLease.objects.filter(pk=lease.pk).update(lease_generation=7)
+    elif change == "session_draining":
+        WorkerSession.objects.filter(pk=session.pk).update(state="draining")
+    else:
+        lease_ack(
+            session=session,
+            offer_id=offer_id,
+            phase=AckPhase.STARTING,
+            lease_token=token,
+            spec_sha256=lease.spec_digest,
+        )
+    recovered, _ = _ports_say(session)
+    assert _snapshot_says(session)[0] is recovered
+    # A draining Session still gets its lease back; the rest no longer.
+    assert recovered is (change == "session_draining")
