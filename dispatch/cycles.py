@@ -142,7 +142,7 @@ class PullSnapshot:
     All of it at the cycle's `observed_at` (the statement's clock): the kill
     switch; whether the Session has leases to revoke for over-delivery
     (`leases.selectors.over_delivered_leases`) or to re-deliver
-    (`dispatch.adapters.orm.recoverable_leases`); and the Session as the
+    (`dispatch.adapters.orm.OrmLeaseRecoverySource`); and the Session as the
     Worker snapshot lists it in session scope (`session_page`: its record,
     or none when it takes no claims).
     """
@@ -166,7 +166,7 @@ def pull_snapshot(
     is SQL written once (a pull is the hottest request; compiling it as a
     queryset cost 5 ms of CPU), each part the SQL form of its port's filter:
     `leases.selectors.over_delivered_leases`,
-    `dispatch.adapters.orm.recoverable_leases` (in session scope, at the
+    `dispatch.adapters.orm.OrmLeaseRecoverySource` (in session scope, at the
     statement's own clock), `leases.policy.claimable_sessions_q`; the tests
     hold each part to its port.
     """

@@ -16,12 +16,13 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
 from django.db import connection
-from django.db.models import Count, F, IntegerField, OuterRef, Q, QuerySet, Subquery
+from django.db.models import Count, IntegerField, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
 from dispatch.adapters.queue import OrmQueueReader
@@ -48,7 +49,13 @@ from qinglong.clock import DatabaseClock
 from qinglong.rows import ModelColumns
 from runs.models import Attempt, AttemptState, Run, RunState, TaskRevision
 from runs.services import attempt_spec
-from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
+from workers.models import (
+    SESSION_CURRENT_STATES,
+    SessionState,
+    Worker,
+    WorkerAdminState,
+    WorkerSession,
+)
 
 __all__ = [
     "CycleMemo",
@@ -59,7 +66,6 @@ __all__ = [
     "active_lease_count",
     "fair_rotation",
     "orm_ports",
-    "recoverable_leases",
     "revisions_read",
     "session_scope_record",
 ]
@@ -95,41 +101,6 @@ def _session_uuid(scope: DispatchScope) -> uuid.UUID | None:
 # ------------------------------------------------------------------- recovery
 
 
-def recoverable_leases(
-    scope: DispatchScope,
-    *,
-    observed_at: datetime,
-    due_before: datetime | None,
-    max_deliveries: int,
-) -> QuerySet[RunLease] | None:
-    """The leases `LeaseRecoverySource.recover_page` pages through (its contract),
-    unordered; None when the scope names no Session that could exist."""
-    qs = RunLease.objects.filter(
-        policy.lease_live_q(observed_at),
-        # The granted Session must still be the Worker's current one, at
-        # the generation the lease was granted to: a replaced or offline
-        # Session's lease is never delivered again.
-        policy.lease_session_current_q(),
-        state=LeaseState.ACTIVE,
-        # docs/adr/0002: recovery only covers the window before the starting ACK,
-        # and only for the lease generation the Attempt still carries.
-        attempt__state=AttemptState.CLAIMED,
-        attempt__lease_generation=F("lease_generation"),
-        run__state=RunState.DISPATCHING,
-        run__cancel_requested=False,
-        delivery_count__lt=max_deliveries,
-    )
-    if scope.session is not None:
-        session_uuid = _session_uuid(scope)
-        if session_uuid is None:
-            return None
-        qs = qs.filter(session__session_id=session_uuid)
-    if due_before is not None:
-        # docs/adr/0001: global scope re-delivers only after the backoff passed.
-        qs = qs.filter(Q(last_delivered_at__isnull=True) | Q(last_delivered_at__lte=due_before))
-    return qs
-
-
 class OrmLeaseRecoverySource:
     """Active leases still eligible for re-delivery (docs/adr/0001 step 1, docs/adr/0002).
 
@@ -154,47 +125,120 @@ class OrmLeaseRecoverySource:
         after = _id_cursor(cursor)
         if self.known_empty and after is None:
             return Page((), None)
-        qs = recoverable_leases(
-            scope, observed_at=observed_at, due_before=due_before, max_deliveries=max_deliveries
+        session_uuid = None
+        if scope.session is not None:
+            session_uuid = _session_uuid(scope)
+            if session_uuid is None:
+                return Page((), None)
+        sql = _recovery_sql(
+            session=session_uuid is not None, due=due_before is not None, after=after is not None
         )
-        if qs is None:
-            return Page((), None)
+        adapt = connection.ops.adapt_datetimefield_value
+        params: list[Any] = [
+            adapt(observed_at),
+            *SESSION_CURRENT_STATES,
+            LeaseState.ACTIVE,
+            AttemptState.CLAIMED,
+            RunState.DISPATCHING,
+            False,
+            max_deliveries,
+        ]
+        if session_uuid is not None:
+            params.append(_SESSION_ID_FIELD.get_db_prep_value(session_uuid, connection))
+        if due_before is not None:
+            params.append(adapt(due_before))
         if after is not None:
-            qs = qs.filter(pk__gt=after)
-        rows = list(
-            qs.select_related("attempt", "run__task_revision", "session")
-            # Only the columns a RecoverableLease needs: the revision's command
-            # and env are not read here, the plan source materializes them.
-            .only(
-                "id",
-                "attempt_id",
-                "worker_id",
-                "session_generation",
-                "lease_generation",
-                "spec_digest",
-                "expires_at",
-                "source",
-                "placement_score",
-                "pull_id",
-                "token_digest",
-                "delivery_count",
-                "last_delivered_at",
-                "attempt__id",
-                "attempt__priority",
-                "attempt__queued_at",
-                "attempt__version",
-                "run__id",
-                "run__project_id",
-                "run__task_id",
-                "run__task_revision__revision",
-                "run__task_revision__executor_type",
-                "session__session_id",
-            )
-            .order_by("pk")[: limit + 1]
-        )
-        page, more = rows[:limit], len(rows) > limit
-        items = tuple(_recoverable(lease) for lease in page)
-        return Page(items, str(page[-1].pk) if more else None)
+            params.append(after)
+        params.append(limit + 1)
+        with connection.cursor() as db:
+            db.execute(sql, params)
+            rows = db.fetchall()
+        items = tuple(_recovered_row(row) for row in rows[:limit])
+        return Page(items, items[-1].lease_id if len(rows) > limit else None)
+
+
+# The columns a RecoverableLease needs: the revision's command and env are
+# not read here, the plan source materializes them.
+_RECOVERY_PARTS = (
+    ModelColumns(
+        RunLease,
+        "l",
+        only=(
+            "attempt",
+            "worker",
+            "session_generation",
+            "lease_generation",
+            "spec_digest",
+            "expires_at",
+            "source",
+            "placement_score",
+            "pull_id",
+            "token_digest",
+            "delivery_count",
+            "last_delivered_at",
+        ),
+    ),
+    ModelColumns(Attempt, "a", only=("priority", "queued_at", "version")),
+    ModelColumns(Run, "r", only=("project", "task", "task_revision")),
+    ModelColumns(TaskRevision, "v", only=("revision", "executor_type")),
+    ModelColumns(WorkerSession, "s", only=("session_id",)),
+)
+_SESSION_ID_FIELD: Final = WorkerSession._meta.get_field("session_id")
+_RECOVERY_SQL: dict[tuple[str, bool, bool, bool], str] = {}
+
+
+def _recovery_sql(*, session: bool, due: bool, after: bool) -> str:
+    """The recovery page in SQL written once per database and shape (issue #12):
+    every cycle reads it, and compiling the queryset cost more than running it.
+
+    The port's contract, row for row: live at `observed_at`, the granted
+    Session still the Worker's current one at the lease's generation
+    (`leases.policy.lease_session_current_q`), active, the Attempt claimed at
+    the lease's generation, the Run dispatching and not cancel-requested,
+    delivered fewer than `max_deliveries` times; optionally one Session's,
+    only past the redelivery backoff, after the cursor; in lease id order.
+    """
+    key = (connection.vendor, session, due, after)
+    found = _RECOVERY_SQL.get(key)
+    if found is not None:
+        return found
+    qn = connection.ops.quote_name
+
+    def t(model: Any) -> str:
+        return str(qn(model._meta.db_table))
+
+    found = _RECOVERY_SQL[key] = (
+        f"SELECT {', '.join(part.select() for part in _RECOVERY_PARTS)} "  # noqa: S608  (names from model metadata; values are parameters)
+        f"FROM {t(RunLease)} l "
+        f"JOIN {t(WorkerSession)} s ON s.id = l.session_id "
+        f"JOIN {t(Attempt)} a ON a.id = l.attempt_id "
+        f"JOIN {t(Run)} r ON r.id = l.run_id "
+        f"JOIN {t(TaskRevision)} v ON v.id = r.task_revision_id "
+        "WHERE l.expires_at > %s AND s.state IN (%s, %s) "
+        "AND s.generation = l.session_generation AND l.state = %s "
+        "AND a.state = %s AND a.lease_generation = l.lease_generation "
+        "AND r.state = %s AND r.cancel_requested = %s AND l.delivery_count < %s "
+        + ("AND s.session_id = %s " if session else "")
+        + ("AND (l.last_delivered_at IS NULL OR l.last_delivered_at <= %s) " if due else "")
+        + ("AND l.id > %s " if after else "")
+        + "ORDER BY l.id LIMIT %s"
+    )
+    return found
+
+
+def _recovered_row(row: Sequence[Any]) -> RecoverableLease:
+    loaded = []
+    offset = 0
+    for part in _RECOVERY_PARTS:
+        loaded.append(part.load(row[offset : offset + len(part)]))
+        offset += len(part)
+    lease, attempt, run, revision, session = loaded
+    assert isinstance(lease, RunLease) and isinstance(attempt, Attempt)
+    assert isinstance(run, Run) and isinstance(revision, TaskRevision)
+    assert isinstance(session, WorkerSession)
+    run.task_revision = revision
+    lease.run, lease.attempt, lease.session = run, attempt, session
+    return _recoverable(lease)
 
 
 def _recoverable(lease: RunLease) -> RecoverableLease:
