@@ -37,7 +37,7 @@ from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState, TaskRevision
 from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
-__all__ = ["WAIT_REASONS", "placement_unmatched", "run_waiting"]
+__all__ = ["WAIT_REASONS", "enqueued_waiting", "placement_unmatched", "run_waiting"]
 
 # The most Sessions or Workers one answer counts ("1000 or more" past it).
 _CAP: Final = 1000
@@ -241,6 +241,16 @@ def run_waiting(run_id: int) -> dict[str, Any] | None:
     )
     if run is None or run.state != RunState.QUEUED:
         return None
+    return _queued_waiting(run, fresh=False)
+
+
+def enqueued_waiting(run: Run) -> dict[str, Any]:
+    """`run_waiting` of a Run just enqueued (issue #12): its Project, Task and
+    revision already read in, its Attempt #1 holding no `not_before`."""
+    return _queued_waiting(run, fresh=True)
+
+
+def _queued_waiting(run: Run, *, fresh: bool) -> dict[str, Any]:
     control = DispatchControl.objects.filter(pk=1).values_list("paused", flat=True).first()
     if control:
         return _answer(
@@ -249,7 +259,9 @@ def run_waiting(run_id: int) -> dict[str, Any] | None:
         )
     now = db_now()
     attempt = (
-        Attempt.objects.filter(run_id=run.pk, state=AttemptState.PENDING)
+        None
+        if fresh
+        else Attempt.objects.filter(run_id=run.pk, state=AttemptState.PENDING)
         .only("not_before", "not_before_reason")
         .first()
     )

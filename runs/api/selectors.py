@@ -12,7 +12,7 @@ from typing import Any
 
 from django.db import connection
 
-from dispatch.adapters.waiting import placement_unmatched, run_waiting
+from dispatch.adapters.waiting import enqueued_waiting, placement_unmatched, run_waiting
 from dispatch.core.ports import to_rfc3339
 from leases.models import RunLease
 from qinglong.rows import ModelColumns
@@ -180,13 +180,13 @@ def enqueued_detail(run: Run, attempt: Attempt) -> dict[str, Any]:
     """A Run just enqueued, exactly as `run_detail` answers it, from the rows in hand.
 
     Its one Attempt is pending and holds no lease yet; its Project, Task and
-    revision are read in. Only `waiting` is asked (it depends on the rest of
-    the system, not on this Run's rows).
+    revision are read in. Only `waiting` is asked, without reading the Run or
+    its Attempt again (it depends on the rest of the system).
     """
     return {
         **_run_summary(run),
         "attempts": [_attempt_json(attempt, [])],
-        "waiting": run_waiting(run.pk) if run.state == RunState.QUEUED else None,
+        "waiting": enqueued_waiting(run) if run.state == RunState.QUEUED else None,
     }
 
 

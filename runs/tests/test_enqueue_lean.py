@@ -21,9 +21,11 @@ from rest_framework.authentication import TokenAuthentication
 from rest_framework.authtoken.models import Token
 from rest_framework.exceptions import AuthenticationFailed
 
+from dispatch.cycles import dispatch_set_paused
+from qinglong import testing
 from qinglong.api_auth import OperatorTokenAuthentication
 from qinglong.testing import make_project, make_task
-from runs.models import Attempt, Run
+from runs.models import Attempt, Project, Run
 from runs.services import run_enqueue_one
 from workers.tests.api_helpers import API, operator_headers, post_json
 
@@ -152,3 +154,30 @@ def test_a_user_without_the_permission_is_still_refused(client: Client) -> None:
     response = post_json(client, f"{API}/runs", {"project": "p", "task": "t"}, headers)
     assert response.status_code == 403
     assert not Run.objects.exists()
+
+
+@pytest.mark.parametrize("state", ["eligible", "no_worker", "paused", "project_full"])
+def test_the_answers_waiting_is_what_the_run_page_then_says(client: Client, state: str) -> None:
+    op = operator_headers()
+    project = make_project("p")
+    make_task(project=project, name="t")
+    if state != "no_worker":
+        testing.open_session()
+    if state == "paused":
+        dispatch_set_paused(paused=True, reason="test")
+    if state == "project_full":
+        Project.objects.filter(pk=project.pk).update(max_concurrent_runs=1)
+        testing.claim(
+            testing.pending_attempt(testing.make_run(make_task(project=project))),
+            testing.open_session().session,
+        )
+    created = post_json(client, f"{API}/runs", {"project": "p", "task": "t"}, op).json()
+    shown = client.get(f"{API}/runs/{created['id']}", **op).json()
+    assert created["waiting"] == shown["waiting"]
+    expected = {
+        "eligible": "eligible",
+        "no_worker": "no_matching_worker",
+        "paused": "dispatch_paused",
+        "project_full": "project_limit",
+    }[state]
+    assert created["waiting"]["reason"] == expected
