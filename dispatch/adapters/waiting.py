@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from django.db import connection
@@ -250,14 +250,29 @@ def enqueued_waiting(run: Run) -> dict[str, Any]:
     return _queued_waiting(run, fresh=True)
 
 
+def _paused_and_now() -> tuple[bool, datetime]:
+    """The kill switch and the database clock, in one statement on PostgreSQL."""
+    if connection.vendor != "postgresql":
+        paused = DispatchControl.objects.filter(pk=1).values_list("paused", flat=True).first()
+        return bool(paused), db_now()
+    table = connection.ops.quote_name(DispatchControl._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT (SELECT paused FROM {table} WHERE id = 1), statement_timestamp()"  # noqa: S608  (a model's table name)
+        )
+        row = cursor.fetchone()
+    assert row is not None
+    moment: datetime = row[1]
+    return bool(row[0]), moment.astimezone(UTC)
+
+
 def _queued_waiting(run: Run, *, fresh: bool) -> dict[str, Any]:
-    control = DispatchControl.objects.filter(pk=1).values_list("paused", flat=True).first()
-    if control:
+    paused, now = _paused_and_now()
+    if paused:
         return _answer(
             "dispatch_paused",
             "Dispatch is paused: no Run is handed out until an operator resumes it.",
         )
-    now = db_now()
     attempt = (
         None
         if fresh
