@@ -247,13 +247,14 @@ def test_a_malformed_item_refuses_the_whole_request_by_index_and_field(client: C
     worker = WorkerClient.open(client, slots=4)
     offers, token = pulled(worker, 2)
     before = state_snapshot()
-    for bad, expected in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"phase": "running", "executor_handle": None}, "acks[1].executor_handle: null"),
         ({"phase": "running", "executor_handle": None, "exit_code": 1}, "acks[1]"),
         ({"offer_id": "F" * 64}, "acks[1].offer_id: invalid"),
         ({"exit_code": 0}, "acks[1].exit_code: not_allowed_for_phase"),
         ({"lease_token": token + "\n"}, "acks[1].lease_token: invalid"),
-    ]:
+    ]
+    for bad, expected in cases:
         body = [item(offers[0], "starting", token), {**item(offers[1], "starting", token), **bad}]
         response = post_acks(worker, body)
         assert response.status_code == 400, (bad, response.content)
