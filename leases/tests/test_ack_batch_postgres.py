@@ -19,7 +19,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 
@@ -30,6 +29,7 @@ from leases.end import run_cancel
 from leases.errors import LeaseConflict, LeaseError, Outcome
 from leases.locks import lock_leases_for_acks
 from leases.models import LeaseState, RunLease
+from leases.tests.racing import assert_locks_in_order, held_by_someone, race
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
@@ -37,29 +37,6 @@ from workers.models import WorkerSession
 from workers.services import session_open
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-
-def race(*calls: Callable[[], Any], timeout: float = 30) -> list[Any]:
-    """The calls at the same instant, one thread and connection each."""
-    barrier = threading.Barrier(len(calls))
-    results: list[Any] = [None] * len(calls)
-
-    def runner(index: int, call: Callable[[], Any]) -> None:
-        try:
-            barrier.wait()
-            results[index] = call()
-        except Exception as err:
-            results[index] = err
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=runner, args=item) for item in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-        assert not thread.is_alive(), "a racer hung (a deadlock?)"
-    return results
 
 
 def leased(session: WorkerSession, count: int) -> list[tuple[RunLease, str]]:
@@ -109,23 +86,6 @@ def no_active_lease_on_an_ended_attempt() -> None:
 # ------------------------------------------------------------- lock order
 
 
-def _conninfo() -> str:
-    db = connection.settings_dict
-    host = db["HOST"] or "127.0.0.1"
-    password = f" password={db['PASSWORD']}" if db.get("PASSWORD") else ""
-    return f"host={host} port={db['PORT'] or 5432} dbname={db['NAME']} user={db['USER']}{password}"
-
-
-def _held(table: str, pk: int) -> bool:
-    with psycopg.connect(_conninfo(), autocommit=False) as probe:
-        try:
-            probe.execute(f'SELECT 1 FROM "{table}" WHERE id = %s FOR UPDATE NOWAIT', [pk])
-        except psycopg.errors.LockNotAvailable:
-            return True
-        probe.rollback()
-        return False
-
-
 def test_the_batch_locks_runs_and_attempts_by_run_id_then_the_session_then_the_leases() -> None:
     session = testing.open_session(testing.make_worker(slots=4)[0]).session
     pairs = leased(session, 2)
@@ -143,29 +103,9 @@ def test_the_batch_locks_runs_and_attempts_by_run_id_then_the_session_then_the_l
     ]
     # Listed newest first: the statement sorts them itself.
     offer_ids = [two.offer_id, one.offer_id]
-    for index, (table, pk) in enumerate(rows):
-        blocker = psycopg.connect(_conninfo(), autocommit=False)
-        blocker.execute(f'SELECT 1 FROM "{table}" WHERE id = %s FOR UPDATE', [pk])
-        done = threading.Event()
-
-        def run(done: threading.Event = done) -> None:
-            try:
-                with transaction.atomic():
-                    lock_leases_for_acks(offer_ids=offer_ids, session_pk=session.pk)
-            finally:
-                connection.close()
-                done.set()
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        time.sleep(0.5)  # the statement now waits on the blocked row
-        assert not done.is_set(), f"the statement did not wait for {table} {pk}"
-        held = [_held(t, p) for j, (t, p) in enumerate(rows) if j != index]
-        expected = [j < index for j in range(len(rows)) if j != index]
-        assert held == expected, (table, pk, held)
-        blocker.rollback()
-        blocker.close()
-        worker.join(10)
+    assert_locks_in_order(
+        rows, lambda: lock_leases_for_acks(offer_ids=offer_ids, session_pk=session.pk)
+    )
 
 
 def test_a_batch_naming_another_sessions_leases_locks_nothing_and_refuses_them() -> None:
@@ -180,8 +120,8 @@ def test_a_batch_naming_another_sessions_leases_locks_nothing_and_refuses_them()
             == {}
         )
         for lease, _ in pairs:
-            assert not _held("runs_run", lease.run_id)
-            assert not _held("dispatch_runlease", lease.pk)
+            assert not held_by_someone("runs_run", lease.run_id)
+            assert not held_by_someone("dispatch_runlease", lease.pk)
     answers = batch(stranger, items(pairs, AckPhase.STARTING))
     assert all(isinstance(a, LeaseError) for a in answers)
     assert [a.code for a in answers if isinstance(a, LeaseError)] == ["lease_forbidden"] * 2

@@ -14,11 +14,9 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
@@ -32,6 +30,7 @@ from leases.errors import Outcome
 from leases.locks import BatchKey, lock_claim_batch, lock_claim_batch_limits
 from leases.models import LeaseState, RunLease
 from leases.quota import project_live_lease_count, task_live_lease_count
+from leases.tests.racing import assert_locks_in_order, race
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptEvent, AttemptState, Project, Run, RunState
@@ -220,28 +219,6 @@ def test_delivered_claims_are_written_delivered() -> None:
 # ---------------------------------------------------------------- lost races
 
 
-def race(*calls: Callable[[], Any], timeout: float = 30) -> list[Any]:
-    barrier = threading.Barrier(len(calls))
-    results: list[Any] = [None] * len(calls)
-
-    def runner(index: int, call: Callable[[], Any]) -> None:
-        try:
-            barrier.wait()
-            results[index] = call()
-        except Exception as err:
-            results[index] = err
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=runner, args=item) for item in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-        assert not thread.is_alive(), "a racer hung"
-    return results
-
-
 def test_two_pages_for_the_same_rows_claim_each_attempt_once() -> None:
     for skip_locked in (True, False):
         one = _session(8)
@@ -424,57 +401,6 @@ def test_racing_pages_never_overfill_a_session_or_a_quota() -> None:
 # ---------------------------------------------------------------- lock order
 
 
-def _conninfo() -> str:
-    db = connection.settings_dict
-    host = db["HOST"] or "127.0.0.1"
-    password = f" password={db['PASSWORD']}" if db.get("PASSWORD") else ""
-    return f"host={host} port={db['PORT'] or 5432} dbname={db['NAME']} user={db['USER']}{password}"
-
-
-def _held_by_someone(table: str, pk: int) -> bool:
-    with psycopg.connect(_conninfo(), autocommit=False) as probe:
-        try:
-            probe.execute(f'SELECT 1 FROM "{table}" WHERE id = %s FOR UPDATE NOWAIT', [pk])
-        except psycopg.errors.LockNotAvailable:
-            return True
-        probe.rollback()
-        return False
-
-
-def _holds_while_waiting(rows: list[tuple[str, int]], statement: Callable[[], Any]) -> list[dict]:
-    """For each row in turn: hold it elsewhere, start `statement`, and report
-    which of the other rows it holds while it waits for that one."""
-    seen = []
-    for blocked_table, blocked_pk in rows:
-        blocker = psycopg.connect(_conninfo(), autocommit=False)
-        blocker.execute(f'SELECT 1 FROM "{blocked_table}" WHERE id = %s FOR UPDATE', [blocked_pk])
-        done = threading.Event()
-
-        def run(done: threading.Event = done) -> None:
-            try:
-                with transaction.atomic():
-                    statement()
-            finally:
-                connection.close()
-                done.set()
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        time.sleep(0.5)
-        assert not done.is_set(), f"the statement did not wait for {blocked_table}"
-        seen.append(
-            {
-                f"{table}:{pk}": _held_by_someone(table, pk)
-                for table, pk in rows
-                if (table, pk) != (blocked_table, blocked_pk)
-            }
-        )
-        blocker.rollback()
-        blocker.close()
-        worker.join(10)
-    return seen
-
-
 def _keys(requests: list[ClaimRequest]) -> list[BatchKey]:
     keys = [claim_module._batch_key(i, r) for i, r in enumerate(requests)]
     assert all(k is not None for k in keys)
@@ -494,12 +420,7 @@ def test_a_page_locks_every_run_and_attempt_in_run_order_then_the_sessions() -> 
         ("workers_workersession", min(one.pk, two.pk)),
         ("workers_workersession", max(one.pk, two.pk)),
     ]
-    seen = _holds_while_waiting(rows, lambda: lock_claim_batch(_keys(requests), skip_locked=False))
-    names = [f"{t}:{pk}" for t, pk in rows]
-    for position, held in enumerate(seen):
-        # Waiting for row `position`: every row before it held, none after it.
-        expected = {name: index < position for index, name in enumerate(names) if index != position}
-        assert held == expected, (position, held)
+    assert_locks_in_order(rows, lambda: lock_claim_batch(_keys(requests), skip_locked=False))
 
 
 def test_with_a_limit_a_page_locks_projects_then_tasks_then_sessions() -> None:
@@ -522,9 +443,7 @@ def test_with_a_limit_a_page_locks_projects_then_tasks_then_sessions() -> None:
         assert locked.now is not None
         lock_claim_batch_limits(keys, locked.rows, now=locked.now)
 
-    seen = _holds_while_waiting(rows, statement)
-    p, t, s = (f"{table}:{pk}" for table, pk in rows)
-    assert seen == [{t: False, s: False}, {p: True, s: False}, {p: True, t: True}]
+    assert_locks_in_order(rows, statement)
 
 
 def test_a_page_counts_quotas_exactly_as_leases_quota_does() -> None:

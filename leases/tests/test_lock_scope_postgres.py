@@ -23,6 +23,7 @@ from leases.end import run_cancel
 from leases.errors import Outcome
 from leases.locks import lock_claim_rows, lock_lease_for_ack
 from leases.models import LeaseState, RunLease
+from leases.tests.racing import assert_locks_in_order, conninfo, held_by_someone
 from qinglong import testing
 from runs.models import Project, Run, RunState
 from runs.services import run_enqueue
@@ -215,54 +216,6 @@ def test_heartbeat_waiting_behind_a_revoke_never_renews_the_ended_lease():
 # -------------------------------------------- one-statement locks (issue #12)
 
 
-def _conninfo() -> str:
-    db = connection.settings_dict
-    host = db["HOST"] or "127.0.0.1"
-    password = f" password={db['PASSWORD']}" if db.get("PASSWORD") else ""
-    return f"host={host} port={db['PORT'] or 5432} dbname={db['NAME']} user={db['USER']}{password}"
-
-
-def _held_by_someone(table: str, pk: int) -> bool:
-    """Is the row locked by another transaction right now? (A NOWAIT probe.)"""
-    with psycopg.connect(_conninfo(), autocommit=False) as probe:
-        try:
-            probe.execute(f'SELECT 1 FROM "{table}" WHERE id = %s FOR UPDATE NOWAIT', [pk])
-        except psycopg.errors.LockNotAvailable:
-            return True
-        probe.rollback()
-        return False
-
-
-def _locks_in_order(rows: list[tuple[str, int]], statement) -> list[dict[str, bool]]:
-    """For each row in turn: hold it elsewhere, start `statement`, and report
-    which of the other rows it holds while it waits for that one."""
-    seen = []
-    for blocked_table, blocked_pk in rows:
-        blocker = psycopg.connect(_conninfo(), autocommit=False)
-        blocker.execute(f'SELECT 1 FROM "{blocked_table}" WHERE id = %s FOR UPDATE', [blocked_pk])
-        done = threading.Event()
-
-        def run(done: threading.Event = done) -> None:
-            try:
-                with transaction.atomic():
-                    statement()
-            finally:
-                connection.close()
-                done.set()
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        time.sleep(0.5)  # the statement now waits on the blocked row
-        assert not done.is_set(), f"the statement did not wait for {blocked_table}"
-        seen.append(
-            {table: _held_by_someone(table, pk) for table, pk in rows if table != blocked_table}
-        )
-        blocker.rollback()
-        blocker.close()
-        worker.join(10)
-    return seen
-
-
 def test_the_claim_locks_run_attempt_then_session_in_one_statement() -> None:
     session = testing.open_session().session
     attempt = testing.pending_attempt(testing.make_run())
@@ -271,7 +224,7 @@ def test_the_claim_locks_run_attempt_then_session_in_one_statement() -> None:
         ("runs_attempt", attempt.pk),
         ("workers_workersession", session.pk),
     ]
-    seen = _locks_in_order(
+    assert_locks_in_order(
         rows,
         lambda: lock_claim_rows(
             run_id=attempt.run_id,
@@ -280,11 +233,6 @@ def test_the_claim_locks_run_attempt_then_session_in_one_statement() -> None:
             skip_locked=False,
         ),
     )
-    assert seen == [
-        {"runs_attempt": False, "workers_workersession": False},  # waiting for the Run
-        {"runs_run": True, "workers_workersession": False},  # Run held, waiting for the Attempt
-        {"runs_run": True, "runs_attempt": True},  # both held, waiting for the Session
-    ]
 
 
 def test_with_a_project_quota_the_claim_locks_the_session_only_after_the_project() -> None:
@@ -293,14 +241,14 @@ def test_with_a_project_quota_the_claim_locks_the_session_only_after_the_project
     session = testing.open_session().session
     attempt = testing.pending_attempt(testing.make_run(testing.make_task(project)))
     request, _ = testing.claim_request(attempt, session)
-    blocker = psycopg.connect(_conninfo(), autocommit=False)
+    blocker = psycopg.connect(conninfo(), autocommit=False)
     blocker.execute('SELECT 1 FROM "runs_project" WHERE id = %s FOR UPDATE', [project.pk])
     out: dict[str, object] = {}
     claimer = _thread(lambda: out.update(status=ds.lease_claim(request).status), "claimer")
     time.sleep(0.5)  # waiting for the Project: Run and Attempt held, the Session not yet
-    assert _held_by_someone("runs_run", attempt.run_id)
-    assert _held_by_someone("runs_attempt", attempt.pk)
-    assert not _held_by_someone("workers_workersession", session.pk)
+    assert held_by_someone("runs_run", attempt.run_id)
+    assert held_by_someone("runs_attempt", attempt.pk)
+    assert not held_by_someone("workers_workersession", session.pk)
     blocker.rollback()
     blocker.close()
     claimer.join(10)
@@ -318,15 +266,9 @@ def test_an_ack_locks_run_attempt_session_then_lease_in_one_statement() -> None:
         ("workers_workersession", session.pk),
         ("dispatch_runlease", lease.pk),
     ]
-    seen = _locks_in_order(
+    assert_locks_in_order(
         rows, lambda: lock_lease_for_ack(offer_id=offer_id, session_pk=session.pk)
     )
-    assert seen == [
-        {"runs_attempt": False, "workers_workersession": False, "dispatch_runlease": False},
-        {"runs_run": True, "workers_workersession": False, "dispatch_runlease": False},
-        {"runs_run": True, "runs_attempt": True, "dispatch_runlease": False},
-        {"runs_run": True, "runs_attempt": True, "workers_workersession": True},
-    ]
 
 
 def test_an_ack_naming_another_sessions_lease_locks_nothing() -> None:
@@ -336,5 +278,5 @@ def test_an_ack_naming_another_sessions_lease_locks_nothing() -> None:
     _, offer_id, _ = testing.claim(attempt, owner)
     with transaction.atomic():
         assert lock_lease_for_ack(offer_id=offer_id, session_pk=stranger.pk) is None
-        assert not _held_by_someone("runs_run", attempt.run_id)
-        assert not _held_by_someone("runs_attempt", attempt.pk)
+        assert not held_by_someone("runs_run", attempt.run_id)
+        assert not held_by_someone("runs_attempt", attempt.pk)

@@ -25,7 +25,7 @@ from leases.end import leases_revoke_over_delivered
 from leases.errors import LeaseConflict, Outcome
 from leases.models import ExecutionOutcome, LeaseState, RunLease
 from leases.reconcile import ExecutionReport, ReconcileStatus, leases_reconcile
-from leases.tests.test_lost_races_postgres import race
+from leases.tests.racing import race
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, RunState

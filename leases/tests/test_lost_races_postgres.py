@@ -11,9 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from django.db import connection, transaction
@@ -24,6 +22,7 @@ from leases.claim import lease_claim
 from leases.end import lease_expire, run_cancel
 from leases.errors import LeaseConflict, Outcome
 from leases.models import LeaseState, RunLease
+from leases.tests.racing import race
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState
@@ -31,32 +30,6 @@ from workers.models import SESSION_CURRENT_STATES, Worker, WorkerSession
 from workers.services import session_open
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-
-def race(*calls: Callable[[], Any], timeout: float = 30) -> list[Any]:
-    """Run the calls at the same instant, one thread and connection each.
-
-    Returns each call's result, or the exception it raised.
-    """
-    barrier = threading.Barrier(len(calls))
-    results: list[Any] = [None] * len(calls)
-
-    def runner(index: int, call: Callable[[], Any]) -> None:
-        try:
-            barrier.wait()
-            results[index] = call()
-        except Exception as err:
-            results[index] = err
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=runner, args=item) for item in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-        assert not thread.is_alive(), "a racer hung"
-    return results
 
 
 def test_two_claims_of_one_attempt_exactly_one_wins() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -13,6 +14,7 @@ from dispatch.sweeps import sweep_timed_out_attempts
 from leases.ack import AckPhase, lease_ack
 from leases.errors import LeaseConflict, Outcome
 from leases.models import LeaseState, RunLease
+from leases.tests.racing import race
 from leases.timeout import TIMED_OUT, attempt_time_out, timed_out_offer_ids
 from qinglong.clock import db_now
 from qinglong.testing import claim, make_run, open_session, pending_attempt
@@ -128,29 +130,6 @@ def test_an_attempt_that_finished_in_time_is_left_alone() -> None:
     assert Attempt.objects.get(run=run).state == AttemptState.SUCCEEDED
 
 
-def _race(*calls):
-    """Run the calls at the same instant, one thread and connection each."""
-    barrier = threading.Barrier(len(calls))
-    results: list[object] = [None] * len(calls)
-
-    def runner(index: int, call) -> None:
-        try:
-            barrier.wait()
-            results[index] = call()
-        except Exception as err:
-            results[index] = err
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=runner, args=item) for item in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-        assert not thread.is_alive(), "a racer hung"
-    return results
-
-
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 @override_settings(QINGLONG_TIMEOUT_MARGIN_S=0)
@@ -172,7 +151,7 @@ def test_the_timeout_sweep_racing_a_terminal_ack_applies_exactly_one() -> None:
                 exit_code=0,
             )
 
-        swept, acked = _race(lambda a=attempt: attempt_time_out(a.pk), ack)
+        swept, acked = race(functools.partial(attempt_time_out, attempt.pk), ack)
         attempt.refresh_from_db()
         lease.refresh_from_db()
         if swept is Outcome.APPLIED:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.db import transaction
 
-from leases.tests.test_lost_races_postgres import race
+from leases.tests.racing import race
 from notifications.delivery import webhooks_deliver_due
 from notifications.models import DeliveryState, WebhookDelivery, WebhookEvent
 from notifications.services import event_emit, subscription_create

@@ -14,7 +14,7 @@ import pytest
 
 from leases.ack import AckPhase, lease_ack
 from leases.models import RunLease
-from leases.tests.test_lost_races_postgres import race
+from leases.tests.racing import race
 from output.models import AttemptOutput, OutputChunk
 from output.services import output_append
 from qinglong import testing

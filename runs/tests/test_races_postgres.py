@@ -21,6 +21,7 @@ from leases.ack import AckPhase, lease_ack
 from leases.end import lease_revoke
 from leases.errors import LeaseError, LostRace, Outcome
 from leases.models import LeaseState, RunLease
+from leases.tests.racing import race
 from leases.transitions import attempt_transition
 from qinglong.testing import claim, definition, make_run, make_task, open_session, pending_attempt
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, TaskRevision
@@ -29,28 +30,6 @@ from workers.models import WorkerSession
 from workers.services import SessionRejected, session_heartbeat, session_mark_offline_if_stale
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-
-def race(*fns: Callable[[], Any]) -> list[Any]:
-    """Run each callable in its own thread and DB connection, released together."""
-    barrier = threading.Barrier(len(fns))
-    results: list[Any] = [None] * len(fns)
-
-    def runner(i: int, fn: Callable[[], Any]) -> None:
-        try:
-            barrier.wait(timeout=10)
-            results[i] = fn()
-        except Exception as err:  # the outcome under test may be an exception
-            results[i] = err
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=runner, args=(i, fn)) for i, fn in enumerate(fns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return results
 
 
 def test_attempt_cas_second_connection_commits_first_then_we_lose():

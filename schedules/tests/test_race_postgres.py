@@ -8,6 +8,7 @@ must have exactly one Run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from django.db import connection
 from django.db.models import Count
 
+from leases.tests.racing import race
 from qinglong.clock import db_now
 from qinglong.testing import make_task
 from runs.models import Run
@@ -151,31 +153,6 @@ def test_four_evaluator_processes_fire_every_second_exactly_once() -> None:
     assert ScheduleFire.objects.count() >= SCHEDULES * BACKLOG
 
 
-def _race(*calls):
-    """Run the calls at the same instant, one thread and connection each."""
-    import threading
-
-    barrier = threading.Barrier(len(calls))
-    results: list[object] = [None] * len(calls)
-
-    def runner(index: int, call) -> None:
-        try:
-            barrier.wait()
-            results[index] = call()
-        except Exception as err:  # reported through the result
-            results[index] = err
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=runner, args=item) for item in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-        assert not thread.is_alive(), "a racer hung"
-    return results
-
-
 def _covering(schedule: Schedule, instant) -> int:
     from schedules.selectors import covering
 
@@ -199,9 +176,9 @@ def test_a_manual_resume_racing_the_resume_at_records_the_pause_once() -> None:
             schedule_id=schedule.pk, actor="ops", reason="r", resume_at=resume_at, now=base
         )
         moment = resume_at + timedelta(seconds=2)
-        by_hand, by_itself = _race(
-            lambda s=schedule, m=moment: schedule_resume(schedule_id=s.pk, actor="ops", now=m),
-            lambda m=moment: schedules_evaluate(now=m),
+        by_hand, by_itself = race(
+            functools.partial(schedule_resume, schedule_id=schedule.pk, actor="ops", now=moment),
+            functools.partial(schedules_evaluate, now=moment),
         )
         assert not isinstance(by_hand, Exception), by_hand
         assert not isinstance(by_itself, Exception), by_itself
@@ -231,11 +208,11 @@ def test_a_pause_racing_the_evaluation_of_a_due_fire_decides_it_once() -> None:
         due = schedule.next_fire_at
         assert due is not None
         moment = due + timedelta(milliseconds=500)
-        paused, evaluated = _race(
-            lambda s=schedule, m=moment: schedule_pause(
-                schedule_id=s.pk, actor="ops", reason="r", now=m
+        paused, evaluated = race(
+            functools.partial(
+                schedule_pause, schedule_id=schedule.pk, actor="ops", reason="r", now=moment
             ),
-            lambda m=moment: schedules_evaluate(now=m),
+            functools.partial(schedules_evaluate, now=moment),
         )
         assert not isinstance(paused, Exception), paused
         assert not isinstance(evaluated, Exception), evaluated
