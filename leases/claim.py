@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
+from psycopg import errors as pg_errors
 
 from dispatch.core.policy import free_slots
 from dispatch.core.ports import PULL_CLAIM, ClaimOutcome, ClaimRequest, ClaimStatus
@@ -270,9 +271,28 @@ def lease_claim_many(
     except (LostRace, IntegrityError):
         LOST_RACES.labels(operation="claim").inc()
         return [lease_claim(request, delivered=delivered) for request in requests]
+    except OperationalError as err:
+        if not _deadlock(err):
+            raise
+        # PostgreSQL broke a lock cycle by aborting this page (seen under four
+        # global dispatchers and two pulling Workers racing for the same
+        # Sessions): the transaction is rolled back whole, nothing of it
+        # stays; the page is a lost race, claimed again request by request,
+        # each holding fewer locks (docs/adr/0014).
+        LOST_RACES.labels(operation="claim").inc()
+        logger.warning(
+            "claim page aborted by a deadlock; claiming it request by request",
+            extra={"event": "claim_page_deadlock", "requests": len(requests)},
+        )
+        return [lease_claim(request, delivered=delivered) for request in requests]
     for index, answer in decided.items():
         outcomes[index] = _won(answer) if isinstance(answer, RunLease) else answer
     return [_LOST if outcome is None else outcome for outcome in outcomes]
+
+
+def _deadlock(err: OperationalError) -> bool:
+    """Whether PostgreSQL aborted the transaction to break a deadlock (40P01)."""
+    return isinstance(err.__cause__, pg_errors.DeadlockDetected)
 
 
 def _batch_key(index: int, request: ClaimRequest) -> BatchKey | None:
