@@ -313,22 +313,26 @@ def _claim_in_thread(request: ClaimRequest, name: str) -> tuple[threading.Thread
     return thread, out
 
 
-def test_a_session_filled_while_the_page_waited_for_its_lock(
+def _page_behind_a_paused_rival(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    session = _session(2)
-    rival_attempt, a, b = _attempts(3)
+    session: WorkerSession,
+    rival_attempt: Attempt,
+    page: list[Attempt],
+) -> tuple[Any, list[Any], list[bool]]:
+    """A rival single claim writes its lease and pauses, uncommitted, holding
+    its locks; the page of `page` starts meanwhile (its lock statement takes
+    its snapshot and waits); then the rival commits. Returns the rival's
+    outcome, the page's outcomes and which of the page's writes wrote."""
     pause = _Pause(monkeypatch, "rival")
     writes = _count_writes(monkeypatch)
     rival, rival_out = _claim_in_thread(testing.claim_request(rival_attempt, session)[0], "rival")
+    out: dict[str, Any] = {}
     try:
-        # The rival has written its lease and holds the Session, uncommitted.
         assert pause.written.wait(10)
-        page: dict[str, Any] = {}
 
         def claim_page() -> None:
             try:
-                page["outcomes"] = lease_claim_many(_requests([a, b], session))
+                out["outcomes"] = lease_claim_many(_requests(page, session))
             finally:
                 connection.close()
 
@@ -339,10 +343,20 @@ def test_a_session_filled_while_the_page_waited_for_its_lock(
         pause.release.set()
         rival.join(20)
     claimer.join(20)
-    assert rival_out["outcome"].status is WON
+    return rival_out["outcome"], out["outcomes"], writes
+
+
+def test_a_session_filled_while_the_page_waited_for_its_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    session = _session(2)
+    rival_attempt, a, b = _attempts(3)
+    # The rival writes its lease and holds the Session, uncommitted.
+    rival, page, writes = _page_behind_a_paused_rival(monkeypatch, session, rival_attempt, [a, b])
+    assert rival.status is WON
     # Its counts missed the rival's lease; its write found that out and it
     # decided again under the same locks: one slot was left.
-    assert _statuses(page["outcomes"]) == [WON, UNAVAILABLE]
+    assert _statuses(page) == [WON, UNAVAILABLE]
     assert writes == [False, True]
     assert _active(session) == 2
 
@@ -355,28 +369,10 @@ def test_a_quota_reached_while_the_page_waited_for_its_lock(
     task = testing.make_task(project)
     session = _session(8)
     rival_attempt, a, b = _attempts(3, task)
-    pause = _Pause(monkeypatch, "rival")
-    writes = _count_writes(monkeypatch)
-    rival, rival_out = _claim_in_thread(testing.claim_request(rival_attempt, session)[0], "rival")
-    try:
-        assert pause.written.wait(10)  # holding the Project and the Session
-        page: dict[str, Any] = {}
-
-        def claim_page() -> None:
-            try:
-                page["outcomes"] = lease_claim_many(_requests([a, b], session))
-            finally:
-                connection.close()
-
-        claimer = threading.Thread(target=claim_page)
-        claimer.start()
-        time.sleep(0.5)
-    finally:
-        pause.release.set()
-        rival.join(20)
-    claimer.join(20)
-    assert rival_out["outcome"].status is WON
-    assert _statuses(page["outcomes"]) == [WON, LOST]
+    # The rival writes its lease and holds the Project and the Session, uncommitted.
+    rival, page, writes = _page_behind_a_paused_rival(monkeypatch, session, rival_attempt, [a, b])
+    assert rival.status is WON
+    assert _statuses(page) == [WON, LOST]
     assert writes == [False, True]
     busy = Run.objects.filter(project=project, state=RunState.DISPATCHING).count()
     assert busy == 2
