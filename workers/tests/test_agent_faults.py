@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from django.db import OperationalError
 from django.test import override_settings
 
 from dispatch.sweeps import sweep_stale_sessions
@@ -43,6 +42,7 @@ from qinglong.testing import make_project, make_worker
 from runs.models import Attempt, Run
 from runs.services import run_enqueue, task_create
 from workers.agent import procfs
+from workers.tests.polling import eventually
 
 pytestmark = [
     pytest.mark.slow,
@@ -111,23 +111,6 @@ def assert_no_overlap(runs: list[Execution]) -> None:
 def alive(pid: int) -> bool:
     info = procfs.proc_info(pid)
     return info is not None and info.alive
-
-
-def eventually(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not _holds(predicate):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.1)
-
-
-def _holds(predicate: Callable[[], bool]) -> bool:
-    try:
-        return predicate()
-    except OperationalError:
-        # SQLite's shared in-memory test database: "table is locked" while
-        # the live server writes. Ask again.
-        return False
 
 
 class AgentProcess:

@@ -19,13 +19,11 @@ web server dies mid-response), the next ones before they leave (refused).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import OperationalError
 from django.test import override_settings
 
 from qinglong.testing import make_project, make_worker
@@ -37,6 +35,7 @@ from workers.agent.executor import ProcessSpawner
 from workers.agent.journal import Journal
 from workers.agent.protocol import Response, TransportError
 from workers.agent.transport import HttpTransport
+from workers.tests.polling import eventually
 
 pytestmark = [
     pytest.mark.slow,
@@ -86,23 +85,6 @@ class LosesAcks:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
-def eventually(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not _holds(predicate):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.1)
-
-
-def _holds(predicate: Callable[[], bool]) -> bool:
-    try:
-        return predicate()
-    except OperationalError:
-        # SQLite's shared in-memory test database: "table is locked" while
-        # the live server writes. Ask again.
-        return False
 
 
 @pytest.fixture
