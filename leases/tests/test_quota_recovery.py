@@ -10,8 +10,6 @@ stopped (the agent's terminal ACK) or its lease is gone: two never run at once.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -22,7 +20,7 @@ from dispatch.sweeps import sweep_expired_leases
 from leases.ack import AckPhase, lease_ack
 from leases.end import run_cancel
 from leases.models import LeaseState, RunLease
-from leases.tests.test_task_quota import AGENT_KILLED, ROOT, _child_env
+from leases.tests.test_task_quota import kill_an_agent_holding
 from qinglong.testing import claim, make_run, make_task, open_session, pending_attempt
 from runs.models import Project, Run, RunState, Task
 from runs.services import project_create
@@ -99,16 +97,7 @@ def test_a_limit_recovers_when_a_cancelled_running_run_has_stopped(kind: str) ->
 def test_a_project_limit_recovers_after_its_agent_is_killed_with_sigkill() -> None:
     task = _limited("project")
     held, waiting = make_run(task), make_run(task)
-    child = subprocess.run(
-        [sys.executable, "-c", AGENT_KILLED, str(held.pk)],
-        cwd=ROOT,
-        env=_child_env(),  # the killed agent's lease lives 2 s
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert child.returncode == -9, child.stderr[-2000:]
+    kill_an_agent_holding(held)  # its lease lives 2 s
     held.refresh_from_db()
     assert held.state == RunState.RUNNING
     assert _claim(waiting)[0] == ClaimStatus.ATTEMPT_LOST  # the dead agent's slot
@@ -130,16 +119,7 @@ def test_a_project_limit_recovers_after_its_agent_is_killed_with_sigkill() -> No
 def test_a_limit_recovers_after_a_cancel_of_a_run_whose_agent_was_killed(kind: str) -> None:
     task = _limited(kind)
     held, waiting = make_run(task), make_run(task)
-    child = subprocess.run(
-        [sys.executable, "-c", AGENT_KILLED, str(held.pk)],
-        cwd=ROOT,
-        env=_child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert child.returncode == -9, child.stderr[-2000:]
+    kill_an_agent_holding(held)
     run_cancel(run=held, actor="test")  # started: a request nobody will hear
     assert _claim(waiting)[0] == ClaimStatus.ATTEMPT_LOST
     time.sleep(2.1)

@@ -129,14 +129,11 @@ def _child_env() -> dict[str, str]:
     }
 
 
-@pytest.mark.postgres
-@pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
-def test_a_task_limit_recovers_after_its_agent_is_killed_with_sigkill() -> None:
-    task = make_task(max_concurrent_runs=1)
-    held, waiting = make_run(task), make_run(task)
+def kill_an_agent_holding(run: Run) -> subprocess.CompletedProcess[str]:
+    """A child process claims `run` on a Session of its own, ACKs starting and
+    dies by SIGKILL holding the lease (which lives 2 s, see `_child_env`)."""
     child = subprocess.run(
-        [sys.executable, "-c", AGENT_KILLED, str(held.pk)],
+        [sys.executable, "-c", AGENT_KILLED, str(run.pk)],
         cwd=ROOT,
         env=_child_env(),
         capture_output=True,
@@ -145,6 +142,16 @@ def test_a_task_limit_recovers_after_its_agent_is_killed_with_sigkill() -> None:
         check=False,
     )
     assert child.returncode == -9, child.stderr[-2000:]
+    return child
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_task_limit_recovers_after_its_agent_is_killed_with_sigkill() -> None:
+    task = make_task(max_concurrent_runs=1)
+    held, waiting = make_run(task), make_run(task)
+    child = kill_an_agent_holding(held)
     assert child.stdout.strip() == "started"
     held.refresh_from_db()
     assert held.state == RunState.RUNNING
