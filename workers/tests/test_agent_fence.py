@@ -33,12 +33,12 @@ from workers.agent.agent import Agent
 from workers.agent.executor import ProcessSpawner
 from workers.agent.journal import Journal, Outcome, Phase
 from workers.agent.protocol import Response
+from workers.tests.polling import eventually
 from workers.tests.test_agent_faults import (
     AgentProcess,
     alive,
     assert_no_overlap,
     attempt_running,
-    eventually,
     executions,
     setup,  # noqa: F401  (a fixture)
 )

@@ -26,10 +26,10 @@ from workers.agent import procfs
 from workers.agent.agent import Agent
 from workers.agent.journal import Journal, Outcome
 from workers.agent.protocol import Response
+from workers.tests.polling import eventually
 from workers.tests.test_agent_faults import (
     FlakyProxy,
     attempt_running,
-    eventually,
     executions,
     setup,  # noqa: F401  (a fixture)
 )
