@@ -10,8 +10,8 @@ any Worker: docs/adr/0005); then it moves the Attempt `pending → claimed`
 lease. Any check that fails changes nothing and answers why (`ClaimStatus`),
 in the order the kernel's `ClaimPort` states; the in-memory fake
 (`dispatch.core.fakes.FakeClaimPort`) answers the same scenarios the same way
-(dispatch/tests/test_port_contract.py; the fake models the Project quota, the
-Task limit is tested against the database: leases/tests/test_task_quota.py).
+(dispatch/tests/test_port_contract.py, both limits included: the fake counts
+the live leases of a Project and of a Task as leases.quota does).
 
 Two statements on PostgreSQL when no quota applies (docs/adr/0011):
 
