@@ -28,7 +28,7 @@ from django.db import connection
 from django.utils import timezone
 
 from leases.models import LeaseState, RunLease
-from qinglong.rows import ModelColumns
+from qinglong.rows import ModelColumns, load_row
 from runs.models import (
     ATTEMPT_ACTIVE_STATES,
     Attempt,
@@ -354,11 +354,7 @@ def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
         row = cursor.fetchone()
     if row is None:
         return None
-    loaded = []
-    offset = 0
-    for part in _ACK_PARTS:
-        loaded.append(part.load(row[offset : offset + len(part)]))
-        offset += len(part)
+    loaded, offset = load_row(_ACK_PARTS, row)
     run, revision, attempt, session, lease = loaded
     assert isinstance(run, Run) and isinstance(revision, TaskRevision)
     assert isinstance(attempt, Attempt) and isinstance(session, WorkerSession)

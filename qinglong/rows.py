@@ -82,3 +82,14 @@ class ModelColumns(Generic[M]):
         return self.model.from_db(
             connection.alias, [field.attname for field in self.fields], converted
         )
+
+
+def load_row(parts: Sequence[ModelColumns[Any]], row: Sequence[Any]) -> tuple[list[Any], int]:
+    """One instance per part from a row of their `select()`s side by side, and
+    the offset of the first column after them."""
+    loaded = []
+    offset = 0
+    for part in parts:
+        loaded.append(part.load(row[offset : offset + len(part)]))
+        offset += len(part)
+    return loaded, offset

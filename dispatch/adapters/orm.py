@@ -46,7 +46,7 @@ from leases import policy
 from leases.claim import DatabaseClaimPort
 from leases.models import LeaseState, RunLease
 from qinglong.clock import DatabaseClock
-from qinglong.rows import ModelColumns
+from qinglong.rows import ModelColumns, load_row
 from runs.models import Attempt, AttemptState, Run, RunState, TaskRevision
 from runs.services import attempt_spec
 from workers.models import (
@@ -227,11 +227,7 @@ def _recovery_sql(*, session: bool, due: bool, after: bool) -> str:
 
 
 def _recovered_row(row: Sequence[Any]) -> RecoverableLease:
-    loaded = []
-    offset = 0
-    for part in _RECOVERY_PARTS:
-        loaded.append(part.load(row[offset : offset + len(part)]))
-        offset += len(part)
+    loaded, _ = load_row(_RECOVERY_PARTS, row)
     lease, attempt, run, revision, session = loaded
     assert isinstance(lease, RunLease) and isinstance(attempt, Attempt)
     assert isinstance(run, Run) and isinstance(revision, TaskRevision)
