@@ -326,10 +326,23 @@ def _claim_page(
         locked = lock_claim_batch(keys, skip_locked=skip_locked)
         if locked.now is None:  # nothing found (or everything held elsewhere)
             return {}
+        # Another round reads its counts again under the locks this one took,
+        # and only those: a pair `SKIP LOCKED` passed over now, then let go,
+        # must not join the page, or its Session (or Project) would be locked
+        # after ones already held — out of order, a deadlock (docs/adr/0014).
+        keys = [key for key in keys if key.index in locked.rows]
         limits = locked.limits
         if limits is None:
             limits = lock_claim_batch_limits(keys, locked.rows, now=locked.now)
-        page = _decide(requests, keys, locked.rows, limits, now=locked.now, delivered=delivered)
+        page = _decide(
+            requests,
+            keys,
+            locked.rows,
+            limits,
+            now=limits.now or locked.now,
+            counted_at=locked.now,
+            delivered=delivered,
+        )
         written = _write_page(page)
         if written is not None:
             answers: dict[int, ClaimOutcome | RunLease] = dict(page.refused)
@@ -368,9 +381,13 @@ def _decide(
     limits: BatchLimits,
     *,
     now: datetime,
+    counted_at: datetime,
     delivered: bool,
 ) -> _Page:
     """The claim's checks for each request in order, counting the grants before it.
+
+    `now` stamps the leases (the clock once every lock was held);
+    `counted_at` is the instant the quota counts took as "live".
 
     The contract's order (`dispatch.core.ports.ClaimPort`): the Run and
     Attempt, the Project and Task quotas, the Session, its pull id, its slots.
@@ -436,7 +453,7 @@ def _decide(
         projects=[(pk, limits.project_busy[pk]) for pk in busy if pk in limits.project_busy],
         tasks=[(pk, limits.task_live[pk]) for pk in live if pk in limits.task_live],
         pulls=[(session_pk, pull, token) for (session_pk, pull), token in pulls.items()],
-        now=now,
+        now=counted_at,
     )
     return _Page(refused=refused, granted=granted, writes=writes, counts=counts)
 

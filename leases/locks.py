@@ -521,6 +521,12 @@ class BatchLimits:
     pull_conflicts: frozenset[int]  # request indexes whose pull id has another token
     project_busy: dict[int, int]  # Project id → live leases of its Runs
     task_live: dict[int, int]  # Task id → live leases of its Runs
+    # The database clock once these locks were held and their snapshot taken
+    # (`lock_claim_batch_limits`; None: read with the Runs, `ClaimBatchRows.now`).
+    # A lease claimed under them is stamped with it, never with a clock read
+    # before a wait: a lease another transaction ended while this one waited
+    # then never looks as if it overlapped the new one.
+    now: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -725,8 +731,9 @@ def lock_claim_batch_limits(
     pinned revision has a limit, then the Sessions the locked pairs name —
     each kind sorted by id, each read after the one before is locked — and
     the counts the quotas and slots are decided on (live leases at `now` per
-    Project and per Task, active leases per Session) and the requests whose
-    pull id already has another token.
+    Project and per Task, active leases per Session), the requests whose
+    pull id already has another token and the database clock once all of it
+    is held (`BatchLimits.now`).
     """
     sql = _LIMITS_SQL.get(connection.vendor)
     if sql is None:
@@ -749,7 +756,8 @@ def lock_claim_batch_limits(
                     json_build_array(pl.id, {claim_count_sql("project", "pl.id", "%s")})) FROM pl),
                 (SELECT json_agg(json_build_array(tl.id, {claim_count_sql("task", "tl.id", "%s")}))
                  FROM tl),
-                {_sessions_select()}
+                {_sessions_select()},
+                clock_timestamp()
         """  # noqa: S608  (names from model metadata; values are parameters)
         _LIMITS_SQL[connection.vendor] = sql
     locked = [key for key in keys if key.index in rows]
@@ -761,11 +769,12 @@ def lock_claim_batch_limits(
         cursor.execute(sql, params)
         row = cursor.fetchone()
     assert row is not None
-    projects, tasks, session_rows, conflicts = row
+    projects, tasks, session_rows, conflicts, locked_at = row
     sessions, pull_conflicts = _load_sessions(session_rows, conflicts)
     return BatchLimits(
         sessions=sessions,
         pull_conflicts=pull_conflicts,
         project_busy={int(pk): int(n) for pk, n in projects or ()},
         task_live={int(pk): int(n) for pk, n in tasks or ()},
+        now=locked_at,
     )

@@ -32,7 +32,7 @@ from django.db.models import Count, Q
 
 from dispatch.core.ports import DispatchScope
 from dispatch.cycles import dispatch_cycle
-from dispatch.tests.test_race_postgres import child_env
+from dispatch.tests.test_race_postgres import child_env, child_reports
 from leases.end import run_cancel
 from leases.models import LeaseState, RunLease
 from qinglong import testing
@@ -132,11 +132,7 @@ def test_four_dispatchers_never_exceed_a_project_or_task_limit() -> None:
     children = [_spawn(["global", deadline]) for _ in range(4)] + [
         _spawn(["puller", deadline, *pks[i::2]]) for i in range(2)
     ]
-    reports = []
-    for child in children:
-        out, err = child.communicate(timeout=RUN_FOR_S + 60)
-        assert child.returncode == 0, err[-4000:]
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    reports = child_reports(children, timeout=RUN_FOR_S + 60)
 
     peaks = {limit: _max_overlap(_lease_intervals(project=p)) for limit, p in limits.items()}
     task_peak = _max_overlap(_lease_intervals(task=task_limited))

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.db import connection
@@ -77,6 +78,26 @@ def child_env() -> dict[str, str]:
     }
 
 
+def child_reports(children: list[subprocess.Popen[str]], *, timeout: float) -> list[Any]:
+    """Each child's last stdout line as JSON, once every child has exited.
+
+    All are waited for (and killed past the timeout) before any is judged,
+    so one that failed leaves no other running or with its pipes open.
+    """
+    done: list[tuple[int, str, str]] = []
+    for child in children:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err = child.communicate()
+            err += "\n(killed: still running past the test's timeout)"
+        done.append((child.returncode, out, err))
+    for returncode, _, err in done:
+        assert returncode == 0, err[-4000:]
+    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in done]
+
+
 def test_many_dispatcher_processes_never_break_the_lease_authority() -> None:
     seed_backlog(RUNS)
     sessions = [testing.open_session(slots=SLOTS).session for _ in range(SESSIONS)]
@@ -98,11 +119,7 @@ def test_many_dispatcher_processes_never_break_the_lease_authority() -> None:
         )
         for args in commands
     ]
-    reports = []
-    for child in children:
-        out, err = child.communicate(timeout=RUN_FOR_S + 30)
-        assert child.returncode == 0, err[-4000:]
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    reports = child_reports(children, timeout=RUN_FOR_S + 30)
     wall = time.monotonic() - started
     print("\nchildren:", reports)
 
