@@ -378,6 +378,95 @@ def test_a_quota_reached_while_the_page_waited_for_its_lock(
     assert busy == 2
 
 
+def test_a_second_round_relocks_only_what_the_first_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/adr/0014: the page's first round passes over a pair another
+    # transaction holds (SKIP LOCKED); that one lets go before the page
+    # decides again. The second round must not take the pair (and so lock
+    # its Session after ones already held, out of order: the lock cycle
+    # PostgreSQL used to detect): it stays a lost race of this page.
+    session = _session(8)
+    a, b, c = _attempts(3)
+    locked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                Run.objects.select_for_update().get(pk=b.run_id)
+                locked.set()
+                release.wait(20)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    rounds: list[int] = []
+    original = claim_module._write_page
+
+    def write(page: Any) -> Any:
+        rounds.append(len(page.granted))
+        if len(rounds) == 1:
+            release.set()  # the pair is free before the second round...
+            holder.join(20)
+            return None  # ...which this first write forces (a count "grew")
+        return original(page)
+
+    monkeypatch.setattr(claim_module, "_write_page", write)
+    try:
+        assert locked.wait(10)
+        outcomes = lease_claim_many(_requests([a, b, c], session, skip_locked=True))
+    finally:
+        release.set()
+        holder.join(20)
+    assert rounds == [2, 2]
+    assert _statuses(outcomes) == [WON, LOST, WON]
+    assert Attempt.objects.get(pk=b.pk).state == AttemptState.PENDING
+    assert _active(session) == 2
+
+
+def test_a_limited_page_stamps_its_leases_after_its_limit_locks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A page with a Project limit waits for the Project lock of a rival
+    # claim; meanwhile another lease of the Project ends. The page's leases
+    # are stamped after the wait, so `claimed_at` of the lease taking the
+    # freed slot is never before `ended_at` of the one that freed it.
+    project = testing.make_project()
+    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=2)
+    task = testing.make_task(project)
+    early, rival_attempt, a, b = _attempts(4, task)
+    ending = lease_claim(testing.claim_request(early, _session(1))[0])
+    assert ending.status is WON
+    pause = _Pause(monkeypatch, "rival")
+    rival, rival_out = _claim_in_thread(
+        testing.claim_request(rival_attempt, _session(1))[0], "rival"
+    )
+    page_session = _session(8)
+    out: dict[str, Any] = {}
+    try:
+        assert pause.written.wait(10)
+
+        def claim_page() -> None:
+            try:
+                out["outcomes"] = lease_claim_many(_requests([a, b], page_session))
+            finally:
+                connection.close()
+
+        claimer = threading.Thread(target=claim_page)
+        claimer.start()
+        time.sleep(0.5)  # the page holds its Runs and waits for the Project
+        assert lease_revoke(int(ending.lease_id), reason="operator_revoke") is Outcome.APPLIED
+    finally:
+        pause.release.set()
+        rival.join(20)
+    claimer.join(20)
+    assert rival_out["outcome"].status is WON
+    assert _statuses(out["outcomes"]) == [WON, LOST]
+    freed = RunLease.objects.get(pk=int(ending.lease_id))
+    taken = RunLease.objects.get(pk=int(out["outcomes"][0].lease_id))
+    assert freed.ended_at is not None
+    assert taken.claimed_at >= freed.ended_at
+
+
 def test_racing_pages_never_overfill_a_session_or_a_quota() -> None:
     project = testing.make_project()
     Project.objects.filter(pk=project.pk).update(max_concurrent_runs=3)
