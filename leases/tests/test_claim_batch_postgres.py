@@ -435,7 +435,7 @@ def test_a_limited_page_stamps_its_leases_after_its_limit_locks(
     task = testing.make_task(project)
     early, rival_attempt, a, b = _attempts(4, task)
     ending = lease_claim(testing.claim_request(early, _session(1))[0])
-    assert ending.status is WON
+    assert ending.status is WON and ending.lease_id is not None
     pause = _Pause(monkeypatch, "rival")
     rival, rival_out = _claim_in_thread(
         testing.claim_request(rival_attempt, _session(1))[0], "rival"
@@ -461,8 +461,8 @@ def test_a_limited_page_stamps_its_leases_after_its_limit_locks(
     claimer.join(20)
     assert rival_out["outcome"].status is WON
     assert _statuses(out["outcomes"]) == [WON, LOST]
-    freed = RunLease.objects.get(pk=int(ending.lease_id))
-    taken = RunLease.objects.get(pk=int(out["outcomes"][0].lease_id))
+    freed = RunLease.objects.get(pk=ending.lease_id)
+    taken = RunLease.objects.get(pk=out["outcomes"][0].lease_id)
     assert freed.ended_at is not None
     assert taken.claimed_at >= freed.ended_at
 
