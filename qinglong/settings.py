@@ -408,7 +408,7 @@ if _CACHE_URL and _CACHE_URL != "memory" and not _CACHE_URL.startswith(_REDIS_SC
 CACHES: dict[str, Any] = {
     "default": (
         {
-            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "BACKEND": "qinglong.cache.RedisCache",
             "LOCATION": _CACHE_URL,
             # A hung Redis costs a request at most this long; the throttles then
             # let the request through (workers.api.throttles).

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import connection
 
-from dispatch.core.offer import ClaimedExecutionOffer, token_digest
+from dispatch.core.offer import ClaimedExecutionOffer, token_digest, tokens_equal
+from dispatch.core.policy import free_slots
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleReason, CycleStatus, DispatchCycleResult
 from dispatch.cycles import dispatch_cycle
 from dispatch.notify import Wake, offer_subscription
-from leases.selectors import pull_id_conflicts, session_free_slots
+from leases.models import LeaseState, RunLease
+from leases.policy import session_capacity
+from runs.models import Attempt, AttemptState
 from workers.models import WorkerSession
 
 
@@ -80,6 +83,52 @@ def _release_database_connection() -> None:
         connection.close()
 
 
+_GUARD_SQL: dict[str, str] = {}
+
+
+def _guard_sql() -> str:
+    found = _GUARD_SQL.get(connection.vendor)
+    if found is None:
+        qn = connection.ops.quote_name
+        lease, attempt = qn(RunLease._meta.db_table), qn(Attempt._meta.db_table)
+        found = _GUARD_SQL[connection.vendor] = (
+            f"SELECT 0, l.{qn('token_digest')}, 0 FROM {lease} l "  # noqa: S608  (names from model metadata; values are parameters)
+            f"WHERE l.{qn('session_id')} = %s AND l.{qn('pull_id')} = %s "
+            f"UNION ALL SELECT 1, NULL, COUNT(*) FROM {lease} l "
+            f"JOIN {attempt} a ON a.{qn('id')} = l.{qn('attempt_id')} "
+            f"WHERE l.{qn('session_id')} = %s AND l.{qn('state')} = %s "
+            f"AND a.{qn('state')} IN (%s, %s)"
+        )
+    return found
+
+
+def _pull_guard(*, session: WorkerSession, pull_id: uuid.UUID) -> tuple[list[str], int]:
+    """The token digests this Session's leases of `pull_id` hold, and its free slots.
+
+    One statement written once (issue #12) for what `leases.selectors`
+    asks in two compiled per call (`pull_id_conflicts`, `session_free_slots`):
+    slots not taken by started work — claimed-but-not-started leases are not
+    subtracted, the pull re-delivers them and they must fit in the response.
+    """
+    pull_param = RunLease._meta.get_field("pull_id").get_db_prep_value(pull_id, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _guard_sql(),
+            [
+                session.pk,
+                pull_param,
+                session.pk,
+                str(LeaseState.ACTIVE),
+                str(AttemptState.STARTING),
+                str(AttemptState.RUNNING),
+            ],
+        )
+        rows = cursor.fetchall()
+    digests = [str(digest) for kind, digest, _ in rows if kind == 0]
+    started = next(int(count) for kind, _, count in rows if kind == 1)
+    return digests, free_slots(session_capacity(session), started)
+
+
 def worker_pull(
     *,
     session: WorkerSession,
@@ -99,11 +148,12 @@ def worker_pull(
     waiting off, or with QL_PULL_WAIT_MAX_WAITERS pulls already waiting in this
     process, it is a plain pull.
     """
-    if pull_id_conflicts(
-        session_pk=session.pk, pull_id=pull_id, token_digest=token_digest(lease_token)
-    ):
+    digests, free = _pull_guard(session=session, pull_id=pull_id)
+    presented = token_digest(lease_token)
+    # Constant time per comparison: response timing must not leak a digest.
+    if any(not tokens_equal(presented, stored) for stored in digests):
         raise PullIdConflict
-    cap = min(max_offers, session_free_slots(session))
+    cap = min(max_offers, free)
     if cap < 1:
         return PullResult(
             offers=(),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 from django.conf import settings
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 
 from leases.models import LeaseState, RunLease
 from qinglong.testing import make_run, make_worker
@@ -244,6 +246,25 @@ def test_pull_offers_at_most_the_free_slots(client: Client) -> None:
         "reason": "no_free_slots",
         "truncated": False,
     }
+
+
+def test_a_pull_reads_its_pull_id_and_free_slots_in_one_statement(client: Client) -> None:
+    for _ in range(2):
+        make_run()
+    worker = WorkerClient.open(client, slots=1)
+    response, pull_id, token = worker.pull()
+    [offer] = response.json()["offers"]
+    assert worker.ack(offer, "starting", token).status_code == 200
+    with CaptureQueriesContext(connection) as queries:
+        full, _, _ = worker.pull()
+    assert full.json()["reason"] == "no_free_slots"
+    # The Session (authentication), then the pull id's leases and the started
+    # count together (issue #12); nothing else before the cycle would run.
+    assert len(queries) == 2, [str(q["sql"])[:60] for q in queries]
+    # The same statement still refuses a pull id replayed with another token.
+    conflict, _, _ = worker.pull(pull_id=pull_id)
+    assert conflict.status_code == 409
+    assert error_code(conflict) == "pull_id_conflict"
 
 
 def test_heartbeat_reports_draining_and_draining_sessions_get_no_new_claims(

@@ -27,7 +27,7 @@ from workers.tests.api_helpers import WorkerClient, error_code
 ROOT = Path(__file__).resolve().parents[2]
 PG = "postgres://u@db.example:5432/ql"
 LOCMEM = "django.core.cache.backends.locmem.LocMemCache"
-REDIS = "django.core.cache.backends.redis.RedisCache"
+REDIS = "qinglong.cache.RedisCache"
 # Only this module uses Redis db 13.
 REDIS_URL = "redis://127.0.0.1:6379/13"
 
@@ -88,6 +88,17 @@ def test_the_cluster_shares_throttle_counters_in_redis_by_default(
     cache = _resolved_cache(**env)
     assert cache["BACKEND"] == backend
     assert cache.get("LOCATION") == location
+
+
+def test_the_redis_cache_keeps_one_client_per_connection_pool() -> None:
+    """Django's backend built a `redis.Redis` (and its callback table) per call."""
+    from qinglong.cache import RedisCache
+
+    backend: Any = RedisCache("redis://127.0.0.1:1/0", {"OPTIONS": {"socket_connect_timeout": 0.5}})
+    client = backend._cache.get_client(write=True)
+    assert backend._cache.get_client() is client
+    assert backend._cache.get_client(write=True) is client
+    assert client.connection_pool is backend._cache._get_connection_pool(True)
 
 
 def _rates(**rates: str) -> dict[str, Any]:
