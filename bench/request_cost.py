@@ -208,11 +208,12 @@ class Bench:
             self.offers, self.lease_token = offers, lease_token
 
     def acks(self, phase: str) -> None:
-        extra: dict[str, Any] = {
+        extras: dict[str, dict[str, Any]] = {
             "starting": {},
             "running": {"executor_handle": "pid:4242"},
-            "succeeded": {"exit_code": 0},
-        }[phase]
+            "succeeded": {"exit_code": 0, "output_tail": ""},
+        }
+        extra = extras[phase]
         items = [
             {
                 "offer_id": offer["offer_id"],

@@ -297,10 +297,20 @@ class ErrorEnvelopeSerializer(BodySerializer):
     error = ErrorSerializer()
 
 
-def validated(serializer_class: type[BodySerializer], data: Any) -> dict[str, Any]:
-    """Validate a request body; a non-object body is a 400, not a crash."""
+def validated(serializer: type[BodySerializer] | BodySerializer, data: Any) -> dict[str, Any]:
+    """Validate a request body; a non-object body is a 400, not a crash.
+
+    Given an instance instead of a class, that instance validates (the same
+    checks and errors as `is_valid`, which calls `run_validation` too): one
+    instance built at import can serve every request and thread, since
+    `run_validation` only reads its bound fields and keeps nothing of the call
+    (issue #12: building a serializer per request deep-copies its declared
+    fields). Only for serializers whose `validate` keeps no state on `self`.
+    """
     if not isinstance(data, Mapping):
         raise ValidationError({"body": [ErrorDetail("must be a JSON object", code="not_object")]})
-    serializer = serializer_class(data=data)
-    serializer.is_valid(raise_exception=True)
-    return dict(serializer.validated_data)
+    if isinstance(serializer, serializers.BaseSerializer):
+        return dict(serializer.run_validation(data))
+    bound = serializer(data=data)
+    bound.is_valid(raise_exception=True)
+    return dict(bound.validated_data)

@@ -14,6 +14,7 @@ import pytest
 from django.db import OperationalError, connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
+from rest_framework.exceptions import ValidationError
 
 import leases.ack as ack_use_case
 from leases.end import run_cancel
@@ -21,6 +22,7 @@ from leases.errors import LostRace
 from leases.models import LeaseState, RunLease
 from qinglong.testing import make_run, make_task
 from runs.models import Attempt, AttemptEvent, Run
+from workers.api import views
 from workers.api.serializers import MAX_ACKS_PER_REQUEST
 from workers.tests.api_helpers import (
     PHASE_EXTRA,
@@ -363,3 +365,69 @@ def worker_session(worker: WorkerClient) -> Any:
     from workers.models import WorkerSession
 
     return WorkerSession.objects.select_related("worker").get(worker=worker.worker, state="online")
+
+
+# --------------------------------------------------- the plain-item fast path
+
+_ID = "ab" * 32
+_TOKEN = "T" * 43
+_BASE: dict[str, dict[str, Any]] = {
+    "starting": {},
+    "running": {"executor_handle": "pid:42"},
+    "succeeded": {"exit_code": 0, "output_tail": "", "error_code": ""},
+    "failed": {"exit_code": 1, "output_tail": "boom\x00\ud800 tail", "error_code": "exit_nonzero"},
+    "start_failed": {"error_code": "spawn_failed", "output_tail": "OSError"},
+}
+_BAD_VALUES: dict[str, list[Any]] = {
+    "offer_id": [None, 1, "", _ID.upper(), _ID + "\n", _ID[:-1], _ID + "0", [_ID]],
+    "spec_sha256": [None, 0, "", "AB" * 32, "ab" * 32 + "\n", "ab" * 31, {"x": 1}],
+    "lease_token": [None, 7, "T" * 42, "T" * 128, "T" * 129, "T" * 42 + "=", "T" * 43 + "\n"],
+    "phase": [None, 1, "", "STARTING", "started", ["starting"]],
+    "executor_handle": [None, 42, "", "x" * 200, "x" * 201, "pid:\x001", "pid\ud800", " "],
+    "exit_code": [None, True, 1.0, "0", 2**31 - 1, 2**31, -(2**31), -(2**31) - 1],
+    "error_code": [None, 1, "", "x" * 64, "x" * 65, "a\x00", "a\udfff", "  "],
+    "output_tail": [None, 5, "x" * 65536, "x" * 65537, '"' * 33000, "ok 😀 雪\n"],
+    "unknown": ["x"],
+}
+
+
+def _verdict(item: dict[str, Any]) -> Any:
+    try:
+        return views._serialized_ack_item(item)
+    except ValidationError:
+        return None
+
+
+def _variants() -> list[dict[str, Any]]:
+    found = []
+    for phase, extra in _BASE.items():
+        base = {
+            "offer_id": _ID,
+            "phase": phase,
+            "lease_token": _TOKEN,
+            "spec_sha256": "cd" * 32,
+            **extra,
+        }
+        found.append(base)
+        for key in base:
+            found.append({k: v for k, v in base.items() if k != key})
+        for key, values in _BAD_VALUES.items():
+            found.extend({**base, key: value} for value in values)
+    return found
+
+
+def test_the_plain_item_reading_never_disagrees_with_the_serializer() -> None:
+    """Every item the fast path reads, the serializer reads the same; it never
+    reads one the serializer refuses (those go to the serializer for their 400)."""
+    variants = _variants()
+    read = 0
+    for variant in variants:
+        fast = views._plain_ack_item(variant)
+        if fast is not None:
+            read += 1
+            assert fast == _verdict(variant), variant
+    # It is the path the agent's items take: each phase's plain item is read.
+    for phase, extra in _BASE.items():
+        item = {"offer_id": _ID, "phase": phase, "lease_token": _TOKEN, "spec_sha256": "cd" * 32}
+        assert views._plain_ack_item({**item, **extra}) is not None, phase
+    assert read >= len(_BASE) + 10, read
