@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.db.models import Max
 
 from dispatch.core.errors import SpecError
@@ -232,11 +232,10 @@ _ATTEMPT_ROW = ModelColumns(Attempt, "")
 
 def _insert_run_and_attempt(run: Run, attempt: Attempt) -> tuple[Run, Attempt]:
     sql, run_fields, attempt_fields = _enqueue_sql()
+    db = connections[DEFAULT_DB_ALIAS]  # not the proxy: one lookup instead of one per field
     # pre_save applies defaults and auto_now_add exactly as Model.save() does.
-    params = [f.get_db_prep_save(f.pre_save(run, add=True), connection) for f in run_fields]
-    params += [
-        f.get_db_prep_save(f.pre_save(attempt, add=True), connection) for f in attempt_fields
-    ]
+    params = [f.get_db_prep_save(f.pre_save(run, add=True), db) for f in run_fields]
+    params += [f.get_db_prep_save(f.pre_save(attempt, add=True), db) for f in attempt_fields]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
@@ -267,15 +266,64 @@ class BulkItemError(ValueError):
         self.code = code
 
 
+class EnqueuedRun(NamedTuple):
+    """A Run as a bulk enqueue wrote it: what its answer shows (issue #12)."""
+
+    id: int
+    task_id: int
+    state: str
+    priority: int
+    cancel_requested: bool
+    queued_at: datetime
+    created_at: datetime
+    finished_at: datetime | None
+
+
 def run_enqueue_bulk(*, items: Sequence[tuple[Task, int]]) -> list[Run]:
     """Enqueue one Run per (Task, priority), all or nothing, in the order given.
 
     The same rules as `run_enqueue` for each item; the first item that breaks
-    one raises `BulkItemError` naming it, before anything is written. One
-    transaction, one clock reading (every Run of the request is queued at the
-    same instant, so they keep the request's order within a priority), two
-    multi-row inserts.
+    one raises `BulkItemError` naming it, before anything is written. Every
+    Run of the request is queued at the same instant (one clock reading), so
+    they keep the request's order within a priority. On PostgreSQL one
+    statement writes the Runs and their Attempts (`run_enqueue_bulk_rows`).
     """
+    rows = _enqueue_bulk(items)
+    if connection.vendor != "postgresql":
+        return rows  # the ORM's Runs
+    tasks = {task.pk: task for task, _ in items}
+    runs = []
+    for row in rows:
+        run = _RUN_ROW.load(row)
+        run.task = tasks[run.task_id]
+        runs.append(run)
+    return runs
+
+
+def run_enqueue_bulk_rows(*, items: Sequence[tuple[Task, int]]) -> list[EnqueuedRun]:
+    """`run_enqueue_bulk` answering what a Run's summary shows, without a model
+    instance per Run (the operator API's list form; issue #12)."""
+    rows = _enqueue_bulk(items)
+    if connection.vendor != "postgresql":
+        return [
+            EnqueuedRun(
+                run.pk,
+                run.task_id,
+                run.state,
+                run.priority,
+                run.cancel_requested,
+                run.queued_at,
+                run.created_at,
+                run.finished_at,
+            )
+            for run in rows
+        ]
+    at = _SUMMARY_AT
+    return [EnqueuedRun(*(row[i] for i in at)) for row in rows]
+
+
+def _enqueue_bulk(items: Sequence[tuple[Task, int]]) -> list[Any]:
+    """Check every item, then write: rows of `_RUN_ROW` on PostgreSQL, else Runs."""
     if not 1 <= len(items) <= MAX_BULK_RUNS:
         raise BulkItemError(0, "body", "out_of_range")
     revisions: list[int] = []
@@ -289,6 +337,11 @@ def run_enqueue_bulk(*, items: Sequence[tuple[Task, int]]) -> list[Run]:
             or not -1000 <= priority <= 1000
         ):
             raise BulkItemError(index, "priority", "out_of_range")
+    if connection.vendor == "postgresql":
+        if connection.in_atomic_block:
+            with transaction.atomic():  # a savepoint, as for run_enqueue_one
+                return _insert_bulk(items, revisions)
+        return _insert_bulk(items, revisions)
     with transaction.atomic():
         now = db_now()
         runs = Run.objects.bulk_create(
@@ -305,6 +358,86 @@ def run_enqueue_bulk(*, items: Sequence[tuple[Task, int]]) -> list[Run]:
             Attempt(run=run, number=1, priority=run.priority, queued_at=now) for run in runs
         )
     return runs
+
+
+# The Run columns a bulk enqueue takes from each item (one array each).
+_BULK_VARYING = ("project", "task", "task_revision", "priority")
+_BULK_SQL: dict[str, tuple[str, tuple[Any, ...], tuple[Any, ...]]] = {}
+# Where EnqueuedRun's fields are in a row of _RUN_ROW.
+_SUMMARY_AT = tuple(
+    next(i for i, f in enumerate(_RUN_ROW.fields) if f.attname == name)
+    for name in EnqueuedRun._fields
+)
+
+
+def _bulk_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
+    """One statement for a bulk enqueue on PostgreSQL, written once: the Runs
+    from one array per varying column (`unnest … WITH ORDINALITY`, inserted in
+    the request's order, so their ids follow it), queued at the statement's
+    clock; Attempt #1 of each from the Runs' RETURNING; the Runs answered in
+    id order. Atomic on its own. Also the Run and Attempt fields whose value
+    is the same for every item (given as parameters)."""
+    found = _BULK_SQL.get(connection.vendor)
+    if found is not None:
+        return found
+    qn = connection.ops.quote_name
+    run_fields = tuple(f for f in Run._meta.concrete_fields if not f.primary_key)
+    attempt_fields = tuple(f for f in Attempt._meta.concrete_fields if not f.primary_key)
+    varying = [next(f for f in run_fields if f.name == name) for name in _BULK_VARYING]
+    run_values = []
+    for f in run_fields:
+        if f.name in _BULK_VARYING:
+            run_values.append(f"i.{qn(f.column)}")
+        elif f.name == "queued_at":
+            run_values.append("statement_timestamp()")
+        else:
+            run_values.append("%s")
+    from_run = {"run": f"r.{qn('id')}", "queued_at": f"r.{qn('queued_at')}"}
+    from_run["priority"] = f"r.{qn('priority')}"
+    attempt_values = [from_run.get(f.name, "%s") for f in attempt_fields]
+    arrays = ", ".join(f"%s::{f.db_type(connection)}[]" for f in varying)
+    names = ", ".join(qn(f.column) for f in varying)
+    sql = f"""
+        WITH r AS (
+            INSERT INTO {qn(Run._meta.db_table)} ({", ".join(qn(f.column) for f in run_fields)})
+            SELECT {", ".join(run_values)}
+            FROM unnest({arrays}) WITH ORDINALITY AS i({names}, n)
+            ORDER BY i.n
+            RETURNING {_RUN_ROW.select()}
+        ), a AS (
+            INSERT INTO {qn(Attempt._meta.db_table)}
+                ({", ".join(qn(f.column) for f in attempt_fields)})
+            SELECT {", ".join(attempt_values)} FROM r
+        )
+        SELECT * FROM r ORDER BY {qn("id")}
+    """  # noqa: S608  (names from model metadata; values are parameters)
+    run_constant = tuple(
+        f for f in run_fields if f.name not in _BULK_VARYING and f.name != "queued_at"
+    )
+    attempt_constant = tuple(f for f in attempt_fields if f.name not in from_run)
+    found = _BULK_SQL[connection.vendor] = (sql, run_constant, attempt_constant)
+    return found
+
+
+def _insert_bulk(items: Sequence[tuple[Task, int]], revisions: list[int]) -> list[Any]:
+    sql, run_constant, attempt_constant = _bulk_sql()
+    # Model instances only to take each constant column's value as Model.save()
+    # would (defaults, auto_now_add); the items' own columns are the arrays.
+    run = Run(priority=0)
+    attempt = Attempt(number=1, priority=0)
+    db = connections[DEFAULT_DB_ALIAS]
+    params: list[Any] = [f.get_db_prep_save(f.pre_save(run, add=True), db) for f in run_constant]
+    params += [
+        [task.project_id for task, _ in items],
+        [task.pk for task, _ in items],
+        revisions,
+        [priority for _, priority in items],
+    ]
+    params += [f.get_db_prep_save(f.pre_save(attempt, add=True), db) for f in attempt_constant]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows: list[Any] = cursor.fetchall()
+    return rows
 
 
 def run_attempts(run: Run) -> Iterable[Attempt]:

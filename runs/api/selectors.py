@@ -6,7 +6,9 @@ list, so a new model field (or the pinned spec) can never leak by accident.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -17,6 +19,7 @@ from dispatch.core.ports import to_rfc3339
 from leases.models import RunLease
 from qinglong.rows import ModelColumns
 from runs.models import Attempt, Project, Run, RunState, Task, TaskRevision
+from runs.services import EnqueuedRun
 
 MAX_PAGE = 100
 TOKEN_DIGEST_PREFIX_CHARS = 8
@@ -190,15 +193,58 @@ def enqueued_detail(run: Run, attempt: Attempt) -> dict[str, Any]:
     }
 
 
-def unplaceable_json(revision: TaskRevision, seen: dict[int, Any] | None = None) -> dict[str, Any]:
+def enqueued_summaries(runs: Sequence[EnqueuedRun], tasks: Mapping[int, Task]) -> list[Any]:
+    """The answer of a bulk enqueue (issue #12): per Run, `run_summary` and
+    `unplaceable_json`, exactly as they would say it, from the rows just
+    written and their Tasks (each with its Project and current revision read
+    in) — no model instance per Run, the placement asked once per placement."""
+    per_task: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+    seen: dict[Any, Any] = {}
+    for task_id, task in tasks.items():
+        revision = task.current_revision
+        assert revision is not None
+        head = {"project": task.project.slug, "task": task.name, "task_revision": revision.revision}
+        per_task[task_id] = head, unplaceable_json(revision, seen)
+    times: dict[datetime, str] = {}  # a bulk's Runs share their instants
+
+    def moment(value: datetime | None) -> str | None:
+        if value is None:
+            return None
+        found = times.get(value)
+        if found is None:
+            found = times[value] = to_rfc3339(value)
+        return found
+
+    results = []
+    for run in runs:
+        head, tail = per_task[run.task_id]
+        results.append(
+            {
+                "id": str(run.id),
+                **head,
+                "state": run.state,
+                "priority": run.priority,
+                "cancel_requested": run.cancel_requested,
+                "queued_at": moment(run.queued_at),
+                "created_at": moment(run.created_at),
+                "finished_at": moment(run.finished_at),
+                **tail,
+            }
+        )
+    return results
+
+
+def unplaceable_json(revision: TaskRevision, seen: dict[Any, Any] | None = None) -> dict[str, Any]:
     """`unplaceable_now` and its reason for a Run just enqueued on `revision`
-    (asked once per revision when `seen` is shared across a bulk enqueue)."""
-    if seen is not None and revision.pk in seen:
-        reason = seen[revision.pk]
+    (asked once per executor type and placement when `seen` is shared across a
+    bulk enqueue: the answer depends on nothing else of the revision)."""
+    key = (revision.executor_type, json.dumps(revision.placement, sort_keys=True))
+    if seen is not None and key in seen:
+        reason = seen[key]
     else:
         reason = placement_unmatched(revision)
         if seen is not None:
-            seen[revision.pk] = reason
+            seen[key] = reason
     return {"unplaceable_now": reason is not None, "unplaceable_reason": reason}
 
 

@@ -96,7 +96,16 @@ def test_a_single_enqueue_reads_and_writes_in_few_statements(client: Client) -> 
     auth = [s for s in statements if '"authtoken_token"' in s or '"auth_permission"' in s]
     tasks = [s for s in statements if 'FROM "runs_task"' in s]
     assert (len(auth), len(tasks)) == (1, 1), statements
-    print(f"\nsingle enqueue: {len(statements)} statements")
+    # In all: those three; the answer's why-waiting (the kill switch with the
+    # clock, the online Workers) and unplaceable_now (the enrolled Workers);
+    # the savepoint around the insert is the test's own transaction's.
+    own = [s for s in statements if "SAVEPOINT" not in s]
+    assert len(own) == 6, "\n".join(own)
+    dispatch_set_paused(paused=True, reason="test")
+    with CaptureQueriesContext(connection) as queries:
+        post_json(client, f"{API}/runs", {"project": "p", "task": "t"}, op)
+    paused = [q["sql"] for q in queries.captured_queries if "SAVEPOINT" not in q["sql"]]
+    assert len(paused) == 5, "\n".join(paused)  # paused: no Worker is asked about
 
 
 # ------------------------------------------------------------ authentication
