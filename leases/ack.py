@@ -201,6 +201,8 @@ def _lost_race() -> LeaseConflict:
 
 
 def _log_applied(chain: LeaseChain, phase: AckPhase) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        return  # nothing to build for a line nobody writes
     logger.info(
         "lease ack",
         extra={

@@ -28,6 +28,7 @@ from django.db import connection
 from django.utils import timezone
 
 from leases.models import LeaseState, RunLease
+from qinglong.prepared import prepared_cursor
 from qinglong.rows import ModelColumns, load_row
 from runs.models import (
     ATTEMPT_ACTIVE_STATES,
@@ -316,12 +317,101 @@ def lock_claim_rows(
     )
 
 
-_ACK_RUN = ModelColumns(Run, "r")
-_ACK_REVISION = ModelColumns(TaskRevision, "v")
-_ACK_ATTEMPT = ModelColumns(Attempt, "a")
-_ACK_SESSION = ModelColumns(WorkerSession, "s")
-_ACK_LEASE = ModelColumns(RunLease, "l")
+# The columns an ACK reads (issue #12): what its checks, its writes, the retry
+# policy of a failed or lost Attempt (`leases.end.attempt_finish`, which
+# creates the next Attempt), the output redaction and the webhook of an ended
+# Run use — never the revision's command, cwd, resources or placement, nor the
+# Session's token digest. A field left out is deferred (`qinglong.rows`):
+# reading one would load it with a query of its own, which the statement
+# counts of leases/tests/test_statement_counts_postgres.py would show.
+_ACK_RUN = ModelColumns(
+    Run,
+    "r",
+    only=(
+        "project",
+        "task",
+        "task_revision",
+        "state",
+        "priority",
+        "queued_at",
+        "cancel_requested",
+        "version",
+        "finished_at",
+    ),
+)
+_ACK_REVISION = ModelColumns(
+    TaskRevision,
+    "v",
+    only=(
+        "timeout_s",
+        "env",  # output redaction (output.redaction)
+        "max_attempts",
+        "max_concurrent_runs",
+        "retry_on",
+        "retry_backoff_s",
+        "retry_backoff_max_s",
+    ),
+)
+_ACK_ATTEMPT = ModelColumns(
+    Attempt,
+    "a",
+    only=(
+        "run",
+        "number",
+        "state",
+        "version",
+        "lease_generation",
+        "priority",
+        "queued_at",
+        "started_at",
+        "deadline_at",
+        "finished_at",
+    ),
+)
+_ACK_SESSION = ModelColumns(WorkerSession, "s", only=("worker", "generation", "state"))
+_ACK_LEASE = ModelColumns(
+    RunLease,
+    "l",
+    only=(
+        "attempt",
+        "run",
+        "worker",
+        "session",
+        "session_generation",
+        "lease_generation",
+        "offer_id",
+        "token_digest",
+        "spec_digest",
+        "state",
+        "version",
+        "expires_at",
+        "execution_confirmed_at",
+    ),
+)
 _ACK_PARTS = (_ACK_RUN, _ACK_REVISION, _ACK_ATTEMPT, _ACK_SESSION, _ACK_LEASE)
+_ACK_SQL: dict[str, str] = {}
+
+
+def _ack_sql() -> str:
+    """The text of `lock_lease_for_ack` for this database (written once per vendor)."""
+    vendor = connection.vendor
+    found = _ACK_SQL.get(vendor)
+    if found is not None:
+        return found
+    qn = connection.ops.quote_name
+    postgres = vendor == "postgresql"
+    selects = ", ".join(part.select() for part in _ACK_PARTS)
+    found = _ACK_SQL[vendor] = (
+        f"SELECT {selects}{', statement_timestamp()' if postgres else ''} "  # noqa: S608  (names from model metadata; values are parameters)
+        f"FROM {qn(Run._meta.db_table)} r, {qn(TaskRevision._meta.db_table)} v, "
+        f"{qn(Attempt._meta.db_table)} a, {qn(WorkerSession._meta.db_table)} s, "
+        f"{qn(RunLease._meta.db_table)} l "
+        f"WHERE l.{qn('offer_id')} = %s AND l.{qn('session_id')} = %s "
+        f"AND r.{qn('id')} = l.{qn('run_id')} AND v.{qn('id')} = r.{qn('task_revision_id')} "
+        f"AND a.{qn('id')} = l.{qn('attempt_id')} AND s.{qn('id')} = l.{qn('session_id')}"
+        + (" FOR UPDATE OF r, a FOR NO KEY UPDATE OF s FOR UPDATE OF l" if postgres else "")
+    )
+    return found
 
 
 def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
@@ -334,23 +424,12 @@ def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
     statement; the Run comes with its pinned revision (retry policy, timeout,
     output redaction), not locked. `LeaseChain.now` is the database clock at
     this statement (the process clock on SQLite). Hand-written SQL loaded
-    like a queryset (`qinglong.rows`): this runs once per ACK.
+    like a queryset (`qinglong.rows`), only the columns an ACK reads, and
+    prepared once per connection (`qinglong.prepared`): this runs once per ACK.
     """
-    qn = connection.ops.quote_name
     postgres = connection.vendor == "postgresql"
-    selects = ", ".join(part.select() for part in _ACK_PARTS)
-    sql = (
-        f"SELECT {selects}{', statement_timestamp()' if postgres else ''} "  # noqa: S608  (names from model metadata; values are parameters)
-        f"FROM {qn(Run._meta.db_table)} r, {qn(TaskRevision._meta.db_table)} v, "
-        f"{qn(Attempt._meta.db_table)} a, {qn(WorkerSession._meta.db_table)} s, "
-        f"{qn(RunLease._meta.db_table)} l "
-        f"WHERE l.{qn('offer_id')} = %s AND l.{qn('session_id')} = %s "
-        f"AND r.{qn('id')} = l.{qn('run_id')} AND v.{qn('id')} = r.{qn('task_revision_id')} "
-        f"AND a.{qn('id')} = l.{qn('attempt_id')} AND s.{qn('id')} = l.{qn('session_id')}"
-        + (" FOR UPDATE OF r, a FOR NO KEY UPDATE OF s FOR UPDATE OF l" if postgres else "")
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [offer_id, session_pk])
+    with prepared_cursor() as cursor:
+        cursor.execute(_ack_sql(), [offer_id, session_pk])
         row = cursor.fetchone()
     if row is None:
         return None
@@ -441,7 +520,7 @@ def lock_leases_for_acks(*, offer_ids: Sequence[str], session_pk: int) -> dict[s
     """
     assert connection.vendor == "postgresql", "several ACKs lock in one statement on PostgreSQL"
     unique = sorted(set(offer_ids))
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(_acks_sql(), [unique, session_pk, session_pk])
         rows = cursor.fetchall()
     chains: dict[str, LeaseChain] = {}

@@ -38,6 +38,7 @@ from typing import Any, Final, Unpack
 
 from django.db import connection
 from django.db.models import Model
+from django.utils import timezone
 
 from leases.errors import IllegalTransition, LostRace
 from leases.locks import claim_count_sql, pull_conflict_sql
@@ -49,7 +50,9 @@ from leases.transitions import (
     AttemptChanges,
     RunChanges,
 )
+from notifications.models import WebhookSubscription
 from notifications.services import run_event_emit
+from qinglong.prepared import prepared_cursor
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 
 __all__ = ["ClaimCounts", "ClaimWrites", "Guard", "Writes"]
@@ -123,9 +126,15 @@ def _insert_sql(meta: Any) -> tuple[str, tuple[Any, ...]]:
     return found
 
 
-def _value(meta: Any, name: str, value: object) -> tuple[str, object]:
-    model_field = meta.get_field(name)
-    return model_field.column, model_field.get_db_prep_save(value, connection)
+_FIELDS: dict[tuple[str, str], Any] = {}
+
+
+def _field(meta: Any, name: str) -> Any:
+    key = (meta.label, name)
+    found = _FIELDS.get(key)
+    if found is None:
+        found = _FIELDS[key] = meta.get_field(name)
+    return found
 
 
 def _insert_step(obj: Model) -> _Step:
@@ -136,20 +145,48 @@ def _insert_step(obj: Model) -> _Step:
     return _Step(sql=sql, params=params)
 
 
+def _insert_values(meta: Any, **values: object) -> _Step:
+    """`_insert_step` of an instance with these attribute values, without making
+    one: a field not given takes what `Model.save()` would write — `pre_save`
+    of an `auto_now_add` field (its clock reading), else its default."""
+    sql, fields = _insert_sql(meta)
+    params = []
+    for f in fields:
+        if f.attname in values:
+            value = values[f.attname]
+        elif getattr(f, "auto_now_add", False) or getattr(f, "auto_now", False):
+            value = timezone.now()
+        else:
+            value = f.get_default()
+        params.append(f.get_db_prep_save(value, connection))
+    return _Step(sql=sql, params=params)
+
+
+_CAS_SQL: dict[tuple[str, str, tuple[str, ...]], str] = {}
+
+
+def _cas_sql(meta: Any, names: tuple[str, ...]) -> str:
+    """`UPDATE … SET state, version, <names> WHERE id, version, state` (written once per shape)."""
+    key = (connection.vendor, meta.label, names)
+    found = _CAS_SQL.get(key)
+    if found is None:
+        sets = [f"{_q('state')} = %s", f"{_q('version')} = %s"]
+        sets.extend(f"{_q(_field(meta, name).column)} = %s" for name in names)
+        found = _CAS_SQL[key] = (
+            f"UPDATE {_q(meta.db_table)} SET {', '.join(sets)} "  # noqa: S608  (names from model metadata; values are parameters)
+            f"WHERE {_q('id')} = %s AND {_q('version')} = %s AND {_q('state')} = %s"
+        )
+    return found
+
+
 def _cas_step(
     meta: Any, *, pk: int, version: int, state: str, to_state: str, changes: Mapping[str, object]
 ) -> _Step:
-    sets = [f"{_q('state')} = %s", f"{_q('version')} = %s"]
     params: list[Any] = [to_state, version + 1]
     for name, value in changes.items():
-        column, prepared = _value(meta, name, value)
-        sets.append(f"{_q(column)} = %s")
-        params.append(prepared)
-    sql = (
-        f"UPDATE {_q(meta.db_table)} SET {', '.join(sets)} "  # noqa: S608  (names from model metadata; values are parameters)
-        f"WHERE {_q('id')} = %s AND {_q('version')} = %s AND {_q('state')} = %s"
-    )
-    return _Step(sql=sql, params=[*params, pk, version, state])
+        params.append(_field(meta, name).get_db_prep_save(value, connection))
+    params.extend((pk, version, state))
+    return _Step(sql=_cas_sql(meta, tuple(changes)), params=params)
 
 
 def _legal(
@@ -159,12 +196,34 @@ def _legal(
         raise IllegalTransition(entity, from_state, to_state)
 
 
+# The Run states `notifications.services.run_event_emit` reports (it writes
+# nothing for any other).
+_REPORTED: Final = frozenset({RunState.SUCCEEDED, RunState.FAILED})
+_HOOKS_SQL: dict[str, str] = {}
+
+
+def _hooks_sql() -> str:
+    """Whether a Project has an active webhook subscription (`webhooksub_active`)."""
+    found = _HOOKS_SQL.get(connection.vendor)
+    if found is None:
+        meta = WebhookSubscription._meta
+        found = _HOOKS_SQL[connection.vendor] = (
+            f"EXISTS (SELECT 1 FROM {_q(meta.db_table)} h "  # noqa: S608  (names from model metadata; values are parameters)
+            f"WHERE h.{_q('active')} AND h.{_q('project_id')} = %s)"
+        )
+    return found
+
+
 class Writes:
     """The writes of one use case, applied together (see the module docstring)."""
 
     def __init__(self) -> None:
         self._steps: list[_Step] = []
         self._after: list[Any] = []
+        # Reads answered by the writing statement itself (PostgreSQL): SQL
+        # boolean expressions and their parameters, and their answers once applied.
+        self._probes: list[tuple[str, list[Any]]] = []
+        self._probed: dict[int, bool] = {}
 
     # -- what to write ---------------------------------------------------------
 
@@ -191,16 +250,17 @@ class Writes:
                 changes=dict(changes),
             )
         )
-        event = AttemptEvent(
-            attempt_id=attempt.pk,
-            run_id=attempt.run_id,
-            from_state=from_state,
-            to_state=str(to_state),
-            reason=reason,
-            actor=actor[:80],
+        self._steps.append(
+            _insert_values(
+                _EVENT,
+                attempt_id=attempt.pk,
+                run_id=attempt.run_id,
+                from_state=from_state,
+                to_state=str(to_state),
+                reason=reason,
+                actor=actor[:80],
+            )
         )
-        step = _insert_step(event)
-        self._steps.append(step)
 
         def done() -> None:
             attempt.state = to_state
@@ -225,14 +285,23 @@ class Writes:
             )
         )
 
+        # Webhooks, as run_transition does: a Run that just ended gets its
+        # outbox rows in this transaction (nothing for other states). On
+        # PostgreSQL the writing statement also tells whether its Project has
+        # an active subscription at all; without one there is nothing to
+        # record and run_event_emit, which would read that again, is skipped.
+        hooks: int | None = None
+        if to_state in _REPORTED and connection.vendor == "postgresql":
+            hooks = len(self._probes)
+            self._probes.append((_hooks_sql(), [run.project_id]))
+
         def done() -> None:
             run.state = to_state
             run.version += 1
             for key, value in changes.items():
                 setattr(run, key, value)
-            # Webhooks, as run_transition does: a Run that just ended gets its
-            # outbox rows in this transaction (nothing for other states).
-            run_event_emit(run=run)
+            if hooks is None or self._probed.get(hooks, True):
+                run_event_emit(run=run)
 
         self._after.append(done)
 
@@ -320,18 +389,25 @@ class Writes:
             returning = _q("id") if step.returns_id else "1"
             ctes.append(f"w{index} AS ({sql} RETURNING {returning})")
             params.extend(step.params)
-        counts = ", ".join(
+        written = [
             f"(SELECT {'max(' + _q('id') + ')' if step.returns_id else 'count(*)'} FROM w{index})"  # noqa: S608  (names from model metadata; values are parameters)
             f" AS _w{index}"
             for index, step in enumerate(self._steps)
-        )
+        ]
+        probed = [f"{probe} AS _p{index}" for index, (probe, _) in enumerate(self._probes)]
+        counts = ", ".join(written + probed)
+        for _, probe_params in self._probes:
+            params.extend(probe_params)
         tail = f"SELECT guard.*, {counts} FROM guard" if guard else f"SELECT {counts}"  # noqa: S608  (names from model metadata; values are parameters)
-        with connection.cursor() as cursor:
+        # The text depends only on the use case's shape (which steps, which
+        # columns), so PostgreSQL prepares it once per connection.
+        with prepared_cursor() as cursor:
             cursor.execute(f"WITH {', '.join(ctes)} {tail}", params)
             names = [column.name for column in cursor.description]
             values = cursor.fetchone()
         assert values is not None
         row = dict(zip(names, values, strict=True))
+        self._probed = {index: bool(row[f"_p{index}"]) for index in range(len(self._probes))}
         if guard is not None and not row["ok"]:
             return row
         for index, step in enumerate(self._steps):

@@ -5,7 +5,8 @@ that claims its budget (every read of the cycle included: kill switch,
 clock, recovery, candidates, Workers, plans, the DispatchCycle row); the
 cycle's page of claims is one transaction (BEGIN, 2 statements, COMMIT),
 which brings it under 2. A claim without quotas is 2 statements and an ACK 2
-(a success 3: the webhook subscriptions of a Run that ended), each plus its
+(the write of a success also tells whether the Run's Project has a webhook
+subscription; only then are its deliveries read and written), each plus its
 transaction's BEGIN and COMMIT, which are counted like every other round trip. Measured the way
 bench/e2e_bench.py does, outside any test transaction (`transaction=True`),
 so no savepoint is counted.
@@ -24,6 +25,7 @@ from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.cycles import cycle_recorder, dispatch_budget, dispatch_cycle
 from leases.ack import AckPhase, lease_ack
 from leases.claim import lease_claim
+from notifications.models import WebhookDelivery, WebhookSubscription
 from qinglong import testing
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -57,9 +59,19 @@ def test_a_global_cycle_that_claims_its_budget_costs_at_most_five_statements_per
     assert statements.count("BEGIN") == statements.count("COMMIT") == 1, statements
 
 
-def test_a_claim_is_two_statements_and_each_ack_two_or_three() -> None:
+def _claim_and_ack_each_phase(*, subscribed: bool) -> tuple[int, dict[AckPhase, int]]:
+    """Statements of one claim and of each of its ACKs (subscribed: the Run's
+    Project has a webhook subscription to `run.succeeded`)."""
     session = testing.open_session().session
-    attempt = testing.pending_attempt(testing.make_run())
+    run = testing.make_run()
+    if subscribed:
+        WebhookSubscription.objects.create(
+            project_id=run.project_id,
+            name="ops",
+            url="https://hooks.example.com/q",
+            events=["run.succeeded"],
+        )
+    attempt = testing.pending_attempt(run)
     request, token = testing.claim_request(attempt, session)
     with CaptureQueriesContext(connection) as claim:
         outcome = lease_claim(request)
@@ -81,9 +93,25 @@ def test_a_claim_is_two_statements_and_each_ack_two_or_three() -> None:
                 exit_code=0,
             )
         counts[phase] = len(ack.captured_queries)
-    # BEGIN, the locks, the writes, COMMIT; a success also reads the Project's
-    # webhook subscriptions (notifications).
-    assert counts == {AckPhase.STARTING: 4, AckPhase.RUNNING: 4, AckPhase.SUCCEEDED: 5}
+    return len(statements), counts
+
+
+def test_a_claim_is_two_statements_and_each_ack_two() -> None:
+    claim, acks = _claim_and_ack_each_phase(subscribed=False)
+    assert claim == 4
+    # BEGIN, the locks, the writes, COMMIT: the write of the success also
+    # found that the Project has no webhook subscription, so nothing else runs.
+    assert acks == {AckPhase.STARTING: 4, AckPhase.RUNNING: 4, AckPhase.SUCCEEDED: 4}
+    assert not WebhookDelivery.objects.exists()
+
+
+def test_a_success_in_a_project_with_a_webhook_subscription_records_its_delivery() -> None:
+    _, acks = _claim_and_ack_each_phase(subscribed=True)
+    # notifications.services.run_event_emit reads the subscriptions and writes
+    # the delivery in the ACK's transaction (more statements, only here).
+    assert acks[AckPhase.STARTING] == acks[AckPhase.RUNNING] == 4
+    assert acks[AckPhase.SUCCEEDED] > 4
+    assert list(WebhookDelivery.objects.values_list("event", flat=True)) == ["run.succeeded"]
 
 
 def test_a_pull_that_claims_one_run_stays_within_a_dozen_statements() -> None:
