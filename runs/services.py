@@ -17,6 +17,7 @@ from django.db.models import Max
 from dispatch.core.errors import SpecError
 from dispatch.core.spec import TaskDefinition, build_spec, validate_task_definition
 from qinglong.clock import db_now
+from qinglong.prepared import prepared_cursor
 from qinglong.rows import ModelColumns
 from runs.models import Attempt, Project, Run, Task, TaskRevision
 
@@ -203,10 +204,13 @@ def _enqueue_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
     run_fields = tuple(f for f in Run._meta.concrete_fields if not f.primary_key)
     attempt_fields = tuple(f for f in Attempt._meta.concrete_fields if not f.primary_key)
     from_run = {"run": f"r.{qn('id')}", "queued_at": f"r.{qn('queued_at')}"}
+    # Every parameter cast to its column's type: the statement is prepared
+    # (qinglong.prepared), and PostgreSQL cannot infer one in a SELECT list.
     run_values = ", ".join(
-        "COALESCE(%s, statement_timestamp())" if f.name == "queued_at" else "%s" for f in run_fields
+        f"COALESCE({_param(f)}, statement_timestamp())" if f.name == "queued_at" else _param(f)
+        for f in run_fields
     )
-    attempt_values = ", ".join(from_run.get(f.name, "%s") for f in attempt_fields)
+    attempt_values = ", ".join(from_run.get(f.name) or _param(f) for f in attempt_fields)
     sql = f"""
         WITH r AS (
             INSERT INTO {qn(Run._meta.db_table)} ({", ".join(qn(f.column) for f in run_fields)})
@@ -225,6 +229,10 @@ def _enqueue_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
     return found
 
 
+def _param(field: Any) -> str:
+    return f"%s::{field.db_type(connection)}"
+
+
 # RETURNING lists without a table alias: an INSERT's RETURNING names its own columns.
 _RUN_ROW = ModelColumns(Run, "")
 _ATTEMPT_ROW = ModelColumns(Attempt, "")
@@ -236,7 +244,7 @@ def _insert_run_and_attempt(run: Run, attempt: Attempt) -> tuple[Run, Attempt]:
     # pre_save applies defaults and auto_now_add exactly as Model.save() does.
     params = [f.get_db_prep_save(f.pre_save(run, add=True), db) for f in run_fields]
     params += [f.get_db_prep_save(f.pre_save(attempt, add=True), db) for f in attempt_fields]
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
     assert row is not None
@@ -375,7 +383,8 @@ def _bulk_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
     from one array per varying column (`unnest … WITH ORDINALITY`, inserted in
     the request's order, so their ids follow it), queued at the statement's
     clock; Attempt #1 of each from the Runs' RETURNING; the Runs answered in
-    id order. Atomic on its own. Also the Run and Attempt fields whose value
+    id order. Atomic on its own; prepared once per connection (its text does
+    not depend on the number of items). Also the Run and Attempt fields whose value
     is the same for every item (given as parameters)."""
     found = _BULK_SQL.get(connection.vendor)
     if found is not None:
@@ -391,10 +400,10 @@ def _bulk_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
         elif f.name == "queued_at":
             run_values.append("statement_timestamp()")
         else:
-            run_values.append("%s")
+            run_values.append(_param(f))
     from_run = {"run": f"r.{qn('id')}", "queued_at": f"r.{qn('queued_at')}"}
     from_run["priority"] = f"r.{qn('priority')}"
-    attempt_values = [from_run.get(f.name, "%s") for f in attempt_fields]
+    attempt_values = [from_run.get(f.name) or _param(f) for f in attempt_fields]
     arrays = ", ".join(f"%s::{f.db_type(connection)}[]" for f in varying)
     names = ", ".join(qn(f.column) for f in varying)
     sql = f"""
@@ -434,7 +443,7 @@ def _insert_bulk(items: Sequence[tuple[Task, int]], revisions: list[int]) -> lis
         [priority for _, priority in items],
     ]
     params += [f.get_db_prep_save(f.pre_save(attempt, add=True), db) for f in attempt_constant]
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         rows: list[Any] = cursor.fetchall()
     return rows

@@ -34,6 +34,7 @@ from dispatch.models import DispatchControl
 from leases.models import LeaseState, RunLease
 from leases.quota import project_live_lease_count, task_live_lease_count
 from qinglong.clock import db_now
+from qinglong.prepared import prepared_cursor
 from runs.models import Attempt, AttemptState, Run, RunState, TaskRevision
 from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
@@ -125,7 +126,10 @@ def _placement_report(
         label_sql, label_params = _has_label("s", key, labels[key])
         columns.append(f"EXISTS (SELECT 1 {source} AND {label_sql})")
         params += label_params
-    with connection.cursor() as cursor:
+    # Prepared once per connection (qinglong.prepared): its text depends only on
+    # the question's shape (how many labels), and planning its subqueries cost
+    # PostgreSQL more than running them (issue #12).
+    with prepared_cursor() as cursor:
         cursor.execute("SELECT " + ", ".join(columns), params)
         row = cursor.fetchone()
     assert row is not None
@@ -256,7 +260,7 @@ def _paused_and_now() -> tuple[bool, datetime]:
         paused = DispatchControl.objects.filter(pk=1).values_list("paused", flat=True).first()
         return bool(paused), db_now()
     table = connection.ops.quote_name(DispatchControl._meta.db_table)
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(
             f"SELECT (SELECT paused FROM {table} WHERE id = 1), statement_timestamp()"  # noqa: S608  (a model's table name)
         )

@@ -17,6 +17,7 @@ from django.db import connection
 from dispatch.adapters.waiting import enqueued_waiting, placement_unmatched, run_waiting
 from dispatch.core.ports import to_rfc3339
 from leases.models import RunLease
+from qinglong.prepared import prepared_cursor
 from qinglong.rows import ModelColumns
 from runs.models import Attempt, Project, Run, RunState, Task, TaskRevision
 from runs.services import EnqueuedRun
@@ -152,7 +153,8 @@ def task_by_name(project_slug: str, name: str) -> Task | None:
     """The Task `name` of Project `project_slug`, its Project and current revision read in.
 
     The enqueue's lookup, once per request (issue #12): SQL written once per
-    database, loaded as a queryset would (`qinglong.rows`).
+    database and prepared once per connection (`qinglong.prepared`), loaded as
+    a queryset would (`qinglong.rows`).
     """
     sql = _TASK_SQL.get(connection.vendor)
     if sql is None:
@@ -165,7 +167,7 @@ def task_by_name(project_slug: str, name: str) -> Task | None:
             f"ON v.{qn('id')} = t.{qn('current_revision_id')} "
             f"WHERE p.{qn('slug')} = %s AND t.{qn('name')} = %s"
         )
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, [project_slug, name])
         row = cursor.fetchone()
     if row is None:

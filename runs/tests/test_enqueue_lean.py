@@ -190,3 +190,27 @@ def test_the_answers_waiting_is_what_the_run_page_then_says(client: Client, stat
         "project_full": "project_limit",
     }[state]
     assert created["waiting"]["reason"] == expected
+
+
+@pytest.mark.postgres
+def test_the_enqueue_statements_are_prepared_once_per_connection(client: Client) -> None:
+    op = operator_headers()
+    make_task(project=make_project("p"), name="t")
+    testing.open_session()
+    for body in ({"project": "p", "task": "t"}, [{"project": "p", "task": "t"}] * 3) * 3:
+        assert post_json(client, f"{API}/runs", body, op).status_code == 201
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
+        prepared = list(cursor.fetchall())
+
+    def runs_of(*needles: str) -> list[int]:
+        return [n for text, n in prepared if all(needle in text for needle in needles)]
+
+    # The single's Task lookup, the single and the bulk insert (each text once,
+    # whatever the list's length), and the why-waiting and placement questions.
+    assert runs_of('FROM "runs_task" t') == [3]
+    assert runs_of('INSERT INTO "runs_run"', "COALESCE") == [3]
+    assert runs_of('INSERT INTO "runs_run"', "unnest") == [3]
+    assert runs_of('"dispatch_dispatchcontrol"') == [3]
+    assert runs_of('FROM "workers_workersession" s') == [3]
+    assert runs_of('FROM "workers_worker" s WHERE') == [6]
