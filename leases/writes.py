@@ -621,7 +621,8 @@ class ClaimWrites:
             *_columns_of([c.event for c in claims], event_fields),
             *_columns_of([c.lease for c in claims], lease_fields),
         ]
-        with connection.cursor() as cursor:
+        # One text whatever the page (its values are arrays): prepared once per connection.
+        with prepared_cursor() as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
         assert row is not None
