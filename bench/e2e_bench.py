@@ -26,9 +26,10 @@ peer   Procrastinate 3.10 in process (no REST, no spawn): N no-op jobs
 micro  in process, one Run at a time through the services: a session-scope
        `dispatch_cycle` (a pull claiming 1) + `lease_ack` starting, running,
        succeeded; against Procrastinate's `fetch_job` + `finish_job` of one
-       job. Also SQL statements per claimed Run (Django's
-       CaptureQueriesContext) for that path and for a global `dispatch_cycle`
-       that claims its budget of 8, and its claims/s.
+       job. Also the CPU time per Run of each step, of this process and
+       (a local server) of its PostgreSQL backend; SQL statements per claimed
+       Run (Django's CaptureQueriesContext) for that path and for a global
+       `dispatch_cycle` that claims its budget of 8, and its claims/s.
 
 Every process it starts gets its own process group and is stopped (TERM,
 then KILL) when the bench ends, however it ends. Progress goes to stderr,
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import http.client
 import importlib
 import io
@@ -793,6 +795,24 @@ def _peer_mean(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------- micro
 
 
+def _backend_cpu(connection: Any) -> Any:
+    """A function returning the CPU seconds this connection's PostgreSQL backend
+    has used so far, or None when its process is not on this machine."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid(), inet_server_addr()")
+        pid, address = cursor.fetchone()
+    stat = Path(f"/proc/{pid}/stat")
+    if address not in (None, "127.0.0.1", "::1") or not stat.exists():
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used() -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    return used
+
+
 def child_micro(runs: int, global_cycles: int) -> dict[str, Any]:
     """Claim + starting + running + succeeded of one Run through the services."""
     from django.db import connection
@@ -846,14 +866,32 @@ def child_micro(runs: int, global_cycles: int) -> dict[str, Any]:
         )
 
     phases = (AckPhase.STARTING, AckPhase.RUNNING, AckPhase.SUCCEEDED)
+    backend = _backend_cpu(connection)
     times: list[float] = []
     claim_times: list[float] = []
+    # CPU seconds per step over the measured Runs: this process's
+    # (time.process_time) and, when the server runs on this machine, its
+    # PostgreSQL backend's (/proc; None elsewhere). On a shared box these
+    # move far less with the load than wall time.
+    cpu: dict[str, float] = {"claim": 0.0, **{str(p): 0.0 for p in phases}}
+    server: dict[str, float] | None = None if backend is None else dict.fromkeys(cpu, 0.0)
+
+    def step(name: str, index: int, call: Any) -> Any:
+        server_before = backend() if backend is not None and index >= warmup else 0.0
+        cpu_before = time.process_time()
+        answer = call()
+        if index >= warmup:
+            cpu[name] += time.process_time() - cpu_before
+            if server is not None and backend is not None:
+                server[name] += backend() - server_before
+        return answer
+
     for index in range(warmup + runs):
         started = time.perf_counter()
-        offer, token = claim()
+        offer, token = step("claim", index, claim)
         claimed = time.perf_counter()
         for phase in phases:
-            ack(offer, token, phase)
+            step(str(phase), index, functools.partial(ack, offer, token, phase))
         if index >= warmup:
             times.append(time.perf_counter() - started)
             claim_times.append(claimed - started)
@@ -927,6 +965,10 @@ def child_micro(runs: int, global_cycles: int) -> dict[str, Any]:
 
     per_phase = {name: int(statistics.median(counts)) for name, counts in queries.items()}
     return {
+        "cpu_ms": {name: 1000 * seconds / runs for name, seconds in cpu.items()},
+        "server_cpu_ms": None
+        if server is None
+        else {name: 1000 * seconds / runs for name, seconds in server.items()},
         "runs": runs,
         "per_s": runs / sum(times),
         "median_ms": 1000 * statistics.median(times),
@@ -1123,6 +1165,17 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 f"  ratio    Qinglong / Procrastinate: "
                 f"{micro['per_s'] / pm['per_s']:.3f}   goal >= 1.0"
             )
+        cpu = micro.get("cpu_ms")
+        if cpu:
+            server = micro.get("server_cpu_ms")
+
+            def per_step(values: dict[str, float]) -> str:
+                steps = " + ".join(f"{name} {ms:.2f}" for name, ms in values.items())
+                return f"{steps} = {sum(values.values()):.2f} ms"
+
+            out(f"  CPU      per Run, this process: {per_step(cpu)}")
+            if server:
+                out(f"           per Run, its PostgreSQL backend: {per_step(server)}")
         out(
             f"  SQL      per Run, session pull (claim 1) {sql['claim']} + starting "
             f"{sql['starting']} + running {sql['running']} + succeeded {sql['succeeded']} "

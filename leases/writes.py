@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, Unpack
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import Model
 from django.utils import timezone
 
@@ -150,6 +150,7 @@ def _insert_values(meta: Any, **values: object) -> _Step:
     one: a field not given takes what `Model.save()` would write — `pre_save`
     of an `auto_now_add` field (its clock reading), else its default."""
     sql, fields = _insert_sql(meta)
+    db = _db()
     params = []
     for f in fields:
         if f.attname in values:
@@ -158,8 +159,14 @@ def _insert_values(meta: Any, **values: object) -> _Step:
             value = timezone.now()
         else:
             value = f.get_default()
-        params.append(f.get_db_prep_save(value, connection))
+        params.append(f.get_db_prep_save(value, db))
     return _Step(sql=sql, params=params)
+
+
+def _db() -> Any:
+    # The connection itself: each attribute read through the `connection`
+    # proxy is a thread-local lookup, and value preparation reads several.
+    return connections[DEFAULT_DB_ALIAS]
 
 
 _CAS_SQL: dict[tuple[str, str, tuple[str, ...]], str] = {}
@@ -183,8 +190,9 @@ def _cas_step(
     meta: Any, *, pk: int, version: int, state: str, to_state: str, changes: Mapping[str, object]
 ) -> _Step:
     params: list[Any] = [to_state, version + 1]
+    db = _db()
     for name, value in changes.items():
-        params.append(_field(meta, name).get_db_prep_save(value, connection))
+        params.append(_field(meta, name).get_db_prep_save(value, db))
     params.extend((pk, version, state))
     return _Step(sql=_cas_sql(meta, tuple(changes)), params=params)
 
