@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.db.models import Max
+from django.utils import timezone
 
 from dispatch.core.errors import SpecError
 from dispatch.core.spec import TaskDefinition, build_spec, validate_task_definition
@@ -166,23 +167,29 @@ def run_enqueue_one(
         raise DefinitionError(SpecError("task", "has no revision"))
     if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
         raise DefinitionError(SpecError("priority", "must be an integer from -1000 to 1000"))
-    columns: dict[str, Any] = {"queued_at": queued_at}  # None: the database clock
+    if connection.vendor == "postgresql":
+        given = {
+            "project_id": task.project_id,
+            "task_id": task.pk,
+            "task_revision_id": task.current_revision_id,
+            "priority": priority,
+            "schedule_id": schedule_id,
+            "queued_at": queued_at,  # None: the database clock
+        }
+        if connection.in_atomic_block:
+            # A savepoint, as `transaction.atomic` gives a nested call: a failed
+            # insert leaves the caller's transaction usable.
+            with transaction.atomic():
+                return _insert_run_and_attempt(task, given)
+        return _insert_run_and_attempt(task, given)
     run = Run(
         project_id=task.project_id,
         task=task,
         task_revision_id=task.current_revision_id,
         priority=priority,
         schedule_id=schedule_id,
-        **columns,
     )
     attempt = Attempt(number=1, priority=priority)
-    if connection.vendor == "postgresql":
-        if connection.in_atomic_block:
-            # A savepoint, as `transaction.atomic` gives a nested call: a failed
-            # insert leaves the caller's transaction usable.
-            with transaction.atomic():
-                return _insert_run_and_attempt(run, attempt)
-        return _insert_run_and_attempt(run, attempt)
     with transaction.atomic():
         run.queued_at = queued_at or db_now()
         run.save(force_insert=True)
@@ -238,12 +245,11 @@ _RUN_ROW = ModelColumns(Run, "")
 _ATTEMPT_ROW = ModelColumns(Attempt, "")
 
 
-def _insert_run_and_attempt(run: Run, attempt: Attempt) -> tuple[Run, Attempt]:
+def _insert_run_and_attempt(task: Task, given: dict[str, Any]) -> tuple[Run, Attempt]:
     sql, run_fields, attempt_fields = _enqueue_sql()
     db = connections[DEFAULT_DB_ALIAS]  # not the proxy: one lookup instead of one per field
-    # pre_save applies defaults and auto_now_add exactly as Model.save() does.
-    params = [f.get_db_prep_save(f.pre_save(run, add=True), db) for f in run_fields]
-    params += [f.get_db_prep_save(f.pre_save(attempt, add=True), db) for f in attempt_fields]
+    params = _insert_values(run_fields, given, db)
+    params += _insert_values(attempt_fields, {"number": 1, "priority": given["priority"]}, db)
     with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
@@ -251,9 +257,48 @@ def _insert_run_and_attempt(run: Run, attempt: Attempt) -> tuple[Run, Attempt]:
     width = len(_RUN_ROW)
     written = _RUN_ROW.load(row[:width])
     first = _ATTEMPT_ROW.load(row[width:])
-    written.task = run.task  # the Task (and what it has read in) the caller passed
+    written.task = task  # the Task (and what it has read in) the caller passed
     first.run = written
     return written, first
+
+
+_GIVEN, _NOW, _CONSTANT, _CALLED = range(4)
+_PLANS: dict[tuple[str, tuple[Any, ...], frozenset[str]], list[tuple[int, Any, Any]]] = {}
+
+
+def _insert_values(fields: tuple[Any, ...], given: dict[str, Any], db: Any) -> list[Any]:
+    """Each field's value for an INSERT, as `Model.save()` writes a new instance
+    made with `given` (by attname): the given value, else `auto_now(_add)`'s
+    clock, else the field's default — prepared for the database. How each field
+    gets its value is worked out once (a constant default prepared once), so an
+    enqueue builds no model instance to take its defaults from (issue #12)."""
+    key = (db.vendor, fields, frozenset(given))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = []
+        for f in fields:
+            if f.attname in given:
+                plan.append((_GIVEN, f, None))
+            elif getattr(f, "auto_now", False) or getattr(f, "auto_now_add", False):
+                plan.append((_NOW, f, None))
+            elif f.has_default() and callable(f.default):
+                plan.append((_CALLED, f, None))
+            else:
+                plan.append((_CONSTANT, f, f.get_db_prep_save(f.get_default(), db)))
+        _PLANS[key] = plan
+    now = None
+    values = []
+    for kind, f, constant in plan:
+        if kind == _CONSTANT:
+            values.append(constant)
+        elif kind == _GIVEN:
+            values.append(f.get_db_prep_save(given[f.attname], db))
+        elif kind == _NOW:
+            now = now or timezone.now()
+            values.append(f.get_db_prep_save(now, db))
+        else:
+            values.append(f.get_db_prep_save(f.get_default(), db))
+    return values
 
 
 # A bulk enqueue is one transaction of at most this many Runs (POST /api/v1/runs
@@ -430,19 +475,16 @@ def _bulk_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
 
 def _insert_bulk(items: Sequence[tuple[Task, int]], revisions: list[int]) -> list[Any]:
     sql, run_constant, attempt_constant = _bulk_sql()
-    # Model instances only to take each constant column's value as Model.save()
-    # would (defaults, auto_now_add); the items' own columns are the arrays.
-    run = Run(priority=0)
-    attempt = Attempt(number=1, priority=0)
     db = connections[DEFAULT_DB_ALIAS]
-    params: list[Any] = [f.get_db_prep_save(f.pre_save(run, add=True), db) for f in run_constant]
+    # The columns every item shares (defaults, auto_now_add); its own are arrays.
+    params: list[Any] = _insert_values(run_constant, {}, db)
     params += [
         [task.project_id for task, _ in items],
         [task.pk for task, _ in items],
         revisions,
         [priority for _, priority in items],
     ]
-    params += [f.get_db_prep_save(f.pre_save(attempt, add=True), db) for f in attempt_constant]
+    params += _insert_values(attempt_constant, {"number": 1}, db)
     with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         rows: list[Any] = cursor.fetchall()

@@ -145,7 +145,13 @@ def run_detail(run_id: int) -> dict[str, Any] | None:
 
 _TASK = ModelColumns(Task, "t")
 _PROJECT = ModelColumns(Project, "p")
-_REVISION = ModelColumns(TaskRevision, "v")
+# Only what the enqueue's answer reads of the revision (its number, and what
+# why-waiting and unplaceable_now ask): never the command, cwd or env.
+_REVISION = ModelColumns(
+    TaskRevision,
+    "v",
+    only=("task", "revision", "executor_type", "placement", "max_concurrent_runs"),
+)
 _TASK_SQL: dict[str, str] = {}
 
 

@@ -214,3 +214,27 @@ def test_the_enqueue_statements_are_prepared_once_per_connection(client: Client)
     assert runs_of('"dispatch_dispatchcontrol"') == [3]
     assert runs_of('FROM "workers_workersession" s') == [3]
     assert runs_of('FROM "workers_worker" s WHERE') == [6]
+
+
+@pytest.mark.postgres  # the PostgreSQL inserts' helper
+def test_insert_values_are_what_model_save_writes() -> None:
+    """`_insert_values` (no model instance) against a new instance's `pre_save`."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from runs.services import _insert_values
+
+    task = make_task(project=make_project("p"), name="t")
+    given = {"project_id": task.project_id, "task_id": task.pk, "priority": 7, "schedule_id": None}
+    for model, values in ((Run, given), (Attempt, {"number": 1, "priority": 7})):
+        fields = tuple(f for f in model._meta.concrete_fields if not f.primary_key)
+        before = timezone.now()
+        ours = _insert_values(fields, values, connection)
+        instance = model(**values)
+        for field, value in zip(fields, ours, strict=True):
+            expected = field.get_db_prep_save(field.pre_save(instance, add=True), connection)
+            if getattr(field, "auto_now_add", False):
+                assert before <= value <= timezone.now() + timedelta(seconds=1), field.name
+            else:
+                assert value == expected, field.name
