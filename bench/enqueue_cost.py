@@ -275,7 +275,7 @@ def profile(bench: Bench, rounds: int) -> None:
         for key, title in ((0, "own"), (1, "cumulative")):
             print(f"   top by {title}:")
             ranked = sorted(rows, key=lambda r: r[0] if key == 0 else r[1], reverse=True)
-            for own, cum, calls, where in ranked[:int(os.environ.get("BENCH_TOP", "22"))]:
+            for own, cum, calls, where in ranked[: int(os.environ.get("BENCH_TOP", "22"))]:
                 print(f"   {1000 * own / n:8.4f} {1000 * cum / n:8.4f} {calls / n:8.2f}  {where}")
 
 
