@@ -30,10 +30,12 @@ reference agent sends them (docs/adr/0013):
 - `heartbeat` — `POST heartbeat` with the held offers listed, every one
   recorded (`QL_HEARTBEAT_MIN_INTERVAL_S=0`).
 
-Printed per kind: CPU ms per request (this process's user + system time:
-PostgreSQL's own CPU is not in it), wall ms, CPU ms per Run (a claiming pull
-and each ACK request serve 8 Runs), and SQL statements per request (counted
-in one extra round, as Django's `CaptureQueriesContext` sees them). The
+Printed per kind: CPU ms per request (this process's user + system time),
+wall ms, CPU ms per Run (a claiming pull and each ACK request serve 8 Runs),
+the CPU of the connection's PostgreSQL backend per request (from /proc, in
+clock ticks summed over the rounds: the server must run on this box), and
+SQL statements per request (counted in one extra round, as Django's
+`CaptureQueriesContext` sees them). The
 reference agent spends on one Run a share of a pull and about two thirds of
 an ACK request (`running` and the outcome travel together for short jobs);
 the `per Run` line adds a claiming pull and the three ACK requests of 8
@@ -258,14 +260,35 @@ def one_round(bench: Bench, measure: Callable[[str, Callable[[], None]], None]) 
     measure("acks, 8 succeeded", lambda: bench.acks("succeeded"))
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def backend_cpu() -> tuple[int, float]:
+    """This connection's PostgreSQL backend and its CPU seconds (user + system)
+    so far, from /proc (the server runs on this box). Clock ticks: meaningful
+    summed over many requests."""
+    from django.db import connection
+
+    connection.ensure_connection()
+    pid = connection.connection.info.backend_pid
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return pid, (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def measure_rounds(bench: Bench, rounds: int) -> dict[str, dict[str, list[float]]]:
-    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"cpu": [], "wall": []})
+    samples: dict[str, dict[str, list[float]]] = defaultdict(
+        lambda: {"cpu": [], "wall": [], "pg": []}
+    )
 
     def measure(kind: str, call: Callable[[], None]) -> None:
+        pid, pg = backend_cpu()
         cpu, wall = time.process_time(), time.perf_counter()
         call()
         samples[kind]["cpu"].append(time.process_time() - cpu)
         samples[kind]["wall"].append(time.perf_counter() - wall)
+        pid_after, pg_after = backend_cpu()
+        if pid_after == pid:  # else the connection was renewed (CONN_MAX_AGE)
+            samples[kind]["pg"].append(pg_after - pg)
 
     for _ in range(rounds):
         one_round(bench, measure)
@@ -462,20 +485,27 @@ def main(argv: list[str] | None = None) -> int:
 def _figures(samples: dict[str, dict[str, list[float]]], queries: dict[str, int]) -> dict[str, Any]:
     kinds: dict[str, Any] = {}
     for kind in KINDS:
-        cpu, wall = samples[kind]["cpu"], samples[kind]["wall"]
+        cpu, wall, pg = samples[kind]["cpu"], samples[kind]["wall"], samples[kind]["pg"]
         kinds[kind] = {
             "cpu_ms": 1000 * statistics.fmean(cpu),
+            "pg_cpu_ms": 1000 * statistics.fmean(pg) if pg else float("nan"),
             "cpu_ms_median": 1000 * statistics.median(cpu),
             "wall_ms_median": 1000 * statistics.median(wall),
             "sql": queries[kind],
             "runs_served": RUNS_SERVED.get(kind),
         }
     per_run = sum(kinds[k]["cpu_ms"] / SLOTS for k in RUNS_SERVED)
+    pg_per_run = sum(kinds[k]["pg_cpu_ms"] / SLOTS for k in RUNS_SERVED)
     try:
         load = os.getloadavg()[0]
     except OSError:  # pragma: no cover
         load = float("nan")
-    return {"kinds": kinds, "cpu_ms_per_run": per_run, "load_1m": load}
+    return {
+        "kinds": kinds,
+        "cpu_ms_per_run": per_run,
+        "pg_cpu_ms_per_run": pg_per_run,
+        "load_1m": load,
+    }
 
 
 def _print(figures: dict[str, Any], args: argparse.Namespace) -> None:
@@ -483,17 +513,21 @@ def _print(figures: dict[str, Any], args: argparse.Namespace) -> None:
         f"Worker API requests in process (WSGI), PostgreSQL, cache {args.cache}, "
         f"LOG_LEVEL {args.log_level}, {args.rounds} rounds, load {figures['load_1m']:.1f}"
     )
-    head = ("request", "CPU ms", "median", "wall ms", "CPU ms/Run", "SQL")
-    print(f"{head[0]:<22} {head[1]:>8} {head[2]:>8} {head[3]:>8} {head[4]:>11} {head[5]:>4}")
+    head = ("request", "CPU ms", "median", "wall ms", "CPU ms/Run", "PG CPU ms", "SQL")
+    print(
+        f"{head[0]:<22} {head[1]:>8} {head[2]:>8} {head[3]:>8} {head[4]:>11} {head[5]:>10} "
+        f"{head[6]:>4}"
+    )
     for kind, row in figures["kinds"].items():
         per_run = f"{row['cpu_ms'] / row['runs_served']:.2f}" if row["runs_served"] else "-"
         print(
             f"{kind:<22} {row['cpu_ms']:8.2f} {row['cpu_ms_median']:8.2f} "
-            f"{row['wall_ms_median']:8.2f} {per_run:>11} {row['sql']:>4}"
+            f"{row['wall_ms_median']:8.2f} {per_run:>11} {row['pg_cpu_ms']:10.2f} {row['sql']:>4}"
         )
     print(
         f"per Run (a claiming pull + 3 ACK requests, each / 8): "
-        f"{figures['cpu_ms_per_run']:.2f} CPU ms"
+        f"{figures['cpu_ms_per_run']:.2f} CPU ms here, "
+        f"{figures['pg_cpu_ms_per_run']:.2f} in the PostgreSQL backend"
     )
 
 

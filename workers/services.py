@@ -37,6 +37,7 @@ from leases.selectors import cancelled_offer_ids, offers_to_stop
 from leases.timeout import timed_out_offer_ids
 from notifications.services import worker_offline_emit
 from qinglong.clock import db_now
+from qinglong.prepared import prepared_cursor
 from qinglong.rows import ModelColumns
 from workers.models import (
     SESSION_CURRENT_STATES,
@@ -304,7 +305,8 @@ def _session_by_token_digest(digest: str) -> WorkerSession | None:
         f"JOIN {qn(Worker._meta.db_table)} w ON w.{qn('id')} = s.{qn('worker_id')} "
         f"WHERE s.{qn('token_digest')} = %s"
     )
-    with connection.cursor() as cursor:
+    # Every Worker request asks it: planned once per connection (qinglong.prepared).
+    with prepared_cursor() as cursor:
         cursor.execute(sql, [digest])
         row = cursor.fetchone()
     if row is None:

@@ -25,6 +25,7 @@ from dispatch.cycles import dispatch_cycle
 from dispatch.notify import Wake, offer_subscription
 from leases.models import LeaseState, RunLease
 from leases.policy import session_capacity
+from qinglong.prepared import prepared_cursor
 from runs.models import Attempt, AttemptState
 from workers.models import WorkerSession
 
@@ -111,7 +112,8 @@ def _pull_guard(*, session: WorkerSession, pull_id: uuid.UUID) -> tuple[list[str
     subtracted, the pull re-delivers them and they must fit in the response.
     """
     pull_param = RunLease._meta.get_field("pull_id").get_db_prep_value(pull_id, connection)
-    with connection.cursor() as cursor:
+    # Every pull asks it: PostgreSQL plans it once per connection (qinglong.prepared).
+    with prepared_cursor() as cursor:
         cursor.execute(
             _guard_sql(),
             [

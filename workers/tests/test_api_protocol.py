@@ -267,6 +267,27 @@ def test_a_pull_reads_its_pull_id_and_free_slots_in_one_statement(client: Client
     assert error_code(conflict) == "pull_id_conflict"
 
 
+def _plans(*markers: str) -> int:
+    """Executions of this connection's prepared statements holding every marker."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
+        return sum(n for text, n in cursor.fetchall() if all(m in text for m in markers))
+
+
+@pytest.mark.postgres
+def test_the_session_lookup_and_the_pull_guard_are_prepared_once_per_connection(
+    client: Client,
+) -> None:
+    worker = WorkerClient.open(client)
+    session_sql = ('JOIN "workers_worker" w', 's."token_digest" = $1')
+    guard_sql = ("UNION ALL SELECT 1, NULL, COUNT(*)", "$6")
+    before = _plans(*session_sql), _plans(*guard_sql)
+    for _ in range(3):
+        assert worker.pull()[0].status_code == 200
+    # Bound on the server ($n) and planned once: each pull ran both again.
+    assert (_plans(*session_sql), _plans(*guard_sql)) == (before[0] + 3, before[1] + 3)
+
+
 def test_heartbeat_reports_draining_and_draining_sessions_get_no_new_claims(
     client: Client,
 ) -> None:
