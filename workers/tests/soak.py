@@ -58,6 +58,13 @@ INFINITY = 2**63
 # runner polls the process every 0.2 s, ends its group's leftovers, writes the
 # row. A kill later than this after the end finds the outcome journaled.
 JOURNALED_WITHIN_NS = 2 * 10**9
+# From the agent's spawn to the work's `start` stamp: a shell starting, under
+# the soak's load. A kill of the agent inside this window, before the stamp,
+# still hits the execution: the process was spawned by the instance killed
+# (seen once: the kill 10 ms before the stamp, the orphan then ended by the
+# restarted agent and the Run retried, as it must be). Far shorter than an
+# agent's restart, so an execution of the next instance is never counted.
+SPAWNED_WITHIN_NS = 250 * 10**6
 
 # The work: traps TERM (stamps `term`), stamps `start`, sleeps in the
 # background (so the trap runs at once), stamps `end`. $1: seconds.
@@ -686,17 +693,19 @@ def verify(
         return killed_at.get(execution.offer_id, INFINITY)
 
     def hit(execution: Execution) -> bool:
-        """Its agent fenced it, or a kill of its agent came after its start
-        and before its outcome was both journaled and accepted. A kill after
-        the work ended (and its outcome was journaled) does not count: the
-        journal has the outcome, and the restarted agent must deliver it."""
+        """Its agent fenced it, or a kill of its agent came after its spawn
+        (`SPAWNED_WITHIN_NS` before its start stamp) and before its outcome
+        was both journaled and accepted. A kill after the work ended (and its
+        outcome was journaled) does not count: the journal has the outcome,
+        and the restarted agent must deliver it."""
         if execution.offer_id in fenced:
             return True
         attempt = by_attempt[leases[execution.offer_id]]
         settled = int(attempt.finished_at.timestamp() * 1e9) if attempt.finished_at else INFINITY
         if execution.end is not None:
             settled = min(settled, execution.end + JOURNALED_WITHIN_NS)
-        return any(execution.start <= at <= settled for at in agent_kills[execution.agent])
+        spawned = execution.start - SPAWNED_WITHIN_NS
+        return any(spawned <= at <= settled for at in agent_kills[execution.agent])
 
     def facts(execution: Execution, attempt: Any) -> str:
         return _facts(execution, attempt, sessions, agent_kills, cluster.outages, offer_events)
