@@ -8,6 +8,7 @@ token is a 409 and runs no cycle at all.
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -85,6 +86,15 @@ def _release_database_connection() -> None:
 
 
 _GUARD_SQL: dict[str, str] = {}
+_STATE = re.compile(r"[a-z_]+")
+
+
+def _literal(state: str) -> str:
+    # A code constant, never a request value; a literal (not a parameter) so
+    # that the plan PostgreSQL keeps for the prepared statement proves the
+    # partial index `runlease_active_session` (state = 'active') applies.
+    assert _STATE.fullmatch(state), state
+    return f"'{state}'"
 
 
 def _guard_sql() -> str:
@@ -92,13 +102,14 @@ def _guard_sql() -> str:
     if found is None:
         qn = connection.ops.quote_name
         lease, attempt = qn(RunLease._meta.db_table), qn(Attempt._meta.db_table)
+        started = ", ".join(_literal(s) for s in (AttemptState.STARTING, AttemptState.RUNNING))
         found = _GUARD_SQL[connection.vendor] = (
-            f"SELECT 0, l.{qn('token_digest')}, 0 FROM {lease} l "  # noqa: S608  (names from model metadata; values are parameters)
+            f"SELECT 0, l.{qn('token_digest')}, 0 FROM {lease} l "  # noqa: S608  (names from model metadata, states are constants; values are parameters)
             f"WHERE l.{qn('session_id')} = %s AND l.{qn('pull_id')} = %s "
             f"UNION ALL SELECT 1, NULL, COUNT(*) FROM {lease} l "
             f"JOIN {attempt} a ON a.{qn('id')} = l.{qn('attempt_id')} "
-            f"WHERE l.{qn('session_id')} = %s AND l.{qn('state')} = %s "
-            f"AND a.{qn('state')} IN (%s, %s)"
+            f"WHERE l.{qn('session_id')} = %s AND l.{qn('state')} = {_literal(LeaseState.ACTIVE)} "
+            f"AND a.{qn('state')} IN ({started})"
         )
     return found
 
@@ -114,17 +125,7 @@ def _pull_guard(*, session: WorkerSession, pull_id: uuid.UUID) -> tuple[list[str
     pull_param = RunLease._meta.get_field("pull_id").get_db_prep_value(pull_id, connection)
     # Every pull asks it: PostgreSQL plans it once per connection (qinglong.prepared).
     with prepared_cursor() as cursor:
-        cursor.execute(
-            _guard_sql(),
-            [
-                session.pk,
-                pull_param,
-                session.pk,
-                str(LeaseState.ACTIVE),
-                str(AttemptState.STARTING),
-                str(AttemptState.RUNNING),
-            ],
-        )
+        cursor.execute(_guard_sql(), [session.pk, pull_param, session.pk])
         rows = cursor.fetchall()
     digests = [str(digest) for kind, digest, _ in rows if kind == 0]
     started = next(int(count) for kind, _, count in rows if kind == 1)

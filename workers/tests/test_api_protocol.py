@@ -280,12 +280,16 @@ def test_the_session_lookup_and_the_pull_guard_are_prepared_once_per_connection(
 ) -> None:
     worker = WorkerClient.open(client)
     session_sql = ('JOIN "workers_worker" w', 's."token_digest" = $1')
-    guard_sql = ("UNION ALL SELECT 1, NULL, COUNT(*)", "$6")
-    before = _plans(*session_sql), _plans(*guard_sql)
+    # The states are literals, never parameters: a plan kept for any parameter
+    # values could not use the partial indexes on active leases (it read every
+    # lease the Session ever had).
+    guard_sql = ("UNION ALL SELECT 1, NULL, COUNT(*)", "= $3 AND", "'active'", "'starting'")
+    before = _plans(*guard_sql), _plans(*session_sql)
     for _ in range(3):
         assert worker.pull()[0].status_code == 200
     # Bound on the server ($n) and planned once: each pull ran both again.
-    assert (_plans(*session_sql), _plans(*guard_sql)) == (before[0] + 3, before[1] + 3)
+    assert (_plans(*guard_sql), _plans(*session_sql)) == (before[0] + 3, before[1] + 3)
+    assert _plans("UNION ALL SELECT 1, NULL, COUNT(*)", "$4") == 0
 
 
 def test_heartbeat_reports_draining_and_draining_sessions_get_no_new_claims(
