@@ -206,8 +206,10 @@ def test_the_enqueue_statements_are_prepared_once_per_connection(client: Client)
     def runs_of(*needles: str) -> list[int]:
         return [n for text, n in prepared if all(needle in text for needle in needles)]
 
-    # The single's Task lookup, the single and the bulk insert (each text once,
+    # The operator Token with its User and permissions (every request), the
+    # single's Task lookup, the single and the bulk insert (each text once,
     # whatever the list's length), and the why-waiting and placement questions.
+    assert runs_of('FROM "authtoken_token" t') == [6]
     assert runs_of('FROM "runs_task" t') == [3]
     assert runs_of('INSERT INTO "runs_run"', "COALESCE") == [3]
     assert runs_of('INSERT INTO "runs_run"', "unnest") == [3]
