@@ -147,20 +147,23 @@ def _insert_step(obj: Model) -> _Step:
 
 def _insert_values(meta: Any, **values: object) -> _Step:
     """`_insert_step` of an instance with these attribute values, without making
-    one: a field not given takes what `Model.save()` would write — `pre_save`
-    of an `auto_now_add` field (its clock reading), else its default."""
+    one (`_saved_value`)."""
     sql, fields = _insert_sql(meta)
     db = _db()
-    params = []
-    for f in fields:
-        if f.attname in values:
-            value = values[f.attname]
-        elif getattr(f, "auto_now_add", False) or getattr(f, "auto_now", False):
-            value = timezone.now()
-        else:
-            value = f.get_default()
-        params.append(f.get_db_prep_save(value, db))
-    return _Step(sql=sql, params=params)
+    return _Step(sql=sql, params=[_saved_value(f, values, db) for f in fields])
+
+
+def _saved_value(field: Any, values: Mapping[str, object], db: Any) -> Any:
+    """What `Model.save()` would write to `field` of a new instance with these
+    attribute values: a field not given takes `pre_save` of an `auto_now_add`
+    field (its clock reading), else its default."""
+    if field.attname in values:
+        value = values[field.attname]
+    elif getattr(field, "auto_now_add", False) or getattr(field, "auto_now", False):
+        value = timezone.now()
+    else:
+        value = field.get_default()
+    return field.get_db_prep_save(value, db)
 
 
 def _db() -> Any:
@@ -483,7 +486,7 @@ class _Claimed:
     attempt: Attempt
     run: Run
     lease: RunLease
-    event: AttemptEvent
+    event: dict[str, object]  # the history row's attribute values (`_saved_value`)
 
 
 _CLAIM_BATCH_SQL: dict[str, tuple[str, tuple[Any, ...], tuple[Any, ...]]] = {}
@@ -554,9 +557,16 @@ def _claim_batch_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
 
 def _columns_of(objs: Sequence[Model], fields: tuple[Any, ...]) -> list[list[Any]]:
     """One array per field (every concrete column but the key), as `save()` would write."""
-    return [
-        [f.get_db_prep_save(f.pre_save(obj, add=True), connection) for obj in objs] for f in fields
-    ]
+    db = _db()
+    return [[f.get_db_prep_save(f.pre_save(obj, add=True), db) for obj in objs] for f in fields]
+
+
+def _value_columns(
+    rows: Sequence[Mapping[str, object]], fields: tuple[Any, ...]
+) -> list[list[Any]]:
+    """`_columns_of` for new rows given as attribute values (`_saved_value`)."""
+    db = _db()
+    return [[_saved_value(f, row, db) for row in rows] for f in fields]
 
 
 class ClaimWrites:
@@ -582,14 +592,14 @@ class ClaimWrites:
         """`Writes.attempt(claimed)`, `Writes.run(dispatching)` and `Writes.lease_create`."""
         _legal("attempt", ATTEMPT_TRANSITIONS, str(attempt.state), AttemptState.CLAIMED)
         _legal("run", RUN_TRANSITIONS, str(run.state), RunState.DISPATCHING)
-        event = AttemptEvent(
-            attempt_id=attempt.pk,
-            run_id=run.pk,
-            from_state=str(attempt.state),
-            to_state=str(AttemptState.CLAIMED),
-            reason="claim",
-            actor=actor[:80],
-        )
+        event = {
+            "attempt_id": attempt.pk,
+            "run_id": run.pk,
+            "from_state": str(attempt.state),
+            "to_state": str(AttemptState.CLAIMED),
+            "reason": "claim",
+            "actor": actor[:80],
+        }
         self._claims.append(_Claimed(attempt=attempt, run=run, lease=lease, event=event))
 
     def apply(self, counts: ClaimCounts) -> dict[int, RunLease] | None:
@@ -626,7 +636,7 @@ class ClaimWrites:
             str(RunState.QUEUED),
             str(RunState.DISPATCHING),
             str(RunState.QUEUED),
-            *_columns_of([c.event for c in claims], event_fields),
+            *_value_columns([c.event for c in claims], event_fields),
             *_columns_of([c.lease for c in claims], lease_fields),
         ]
         # One text whatever the page (its values are arrays): prepared once per connection.
