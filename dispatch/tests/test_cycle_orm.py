@@ -427,6 +427,10 @@ def _sessions(count: int, slots: int) -> None:
         testing.open_session(slots=slots)
 
 
+# The first cycle's offers must not come due for re-announcement before the
+# second cycle, however slow the box (the second would then recover them
+# instead of claiming: seen under a load of 9 on 2 cores).
+@budget(redelivery_backoff_s=3600)
 def test_query_count_per_cycle_does_not_grow_with_the_backlog() -> None:
     task = testing.make_task()
     _sessions(2, slots=2)
