@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import re
 import threading
 import time
 import uuid
@@ -194,21 +195,7 @@ def pull_snapshot(
     except ValueError:
         return None
     sql = _snapshot_sql(by_pk=session_pk is not None)
-    params: list[Any] = [
-        _CONTROL_PK,
-        SessionState.ONLINE,
-        WorkerAdminState.ACTIVE,
-        LeaseState.ACTIVE,
-        LeaseState.ACTIVE,
-        max_deliveries,
-        AttemptState.CLAIMED,
-        *SESSION_CURRENT_STATES,
-        LeaseState.ACTIVE,
-        AttemptState.CLAIMED,
-        RunState.DISPATCHING,
-        max_deliveries,
-        session_key,
-    ]
+    params: list[Any] = [_CONTROL_PK, max_deliveries, max_deliveries, session_key]
     if session_pk is not None:
         params.append(session_pk)
     # Prepared once per connection: planning it cost the server about ten
@@ -243,6 +230,13 @@ _SNAPSHOT_SESSION = ModelColumns(
 _SNAPSHOT_SQL: dict[tuple[str, bool], str] = {}
 
 
+def _literal(value: str) -> str:
+    """A state constant as an SQL literal (only plain identifiers are ever written)."""
+    if not re.fullmatch(r"[a-z_]+", str(value)):
+        raise ValueError(f"not a state constant: {value!r}")
+    return f"'{value}'"
+
+
 def _snapshot_sql(*, by_pk: bool) -> str:
     key = (connection.vendor, by_pk)
     found = _SNAPSHOT_SQL.get(key)
@@ -253,29 +247,39 @@ def _snapshot_sql(*, by_pk: bool) -> str:
     def t(model: Any) -> str:
         return str(qn(model._meta.db_table))
 
+    # The states are constants of the text, not parameters: the statement is
+    # prepared (qinglong.prepared), and only a literal `l.state = 'active'`
+    # lets a generic plan use the partial index `runlease_active_session` —
+    # with a parameter it would read every lease the Session ever held.
+    online, active = _literal(SessionState.ONLINE), _literal(WorkerAdminState.ACTIVE)
+    lease_active, claimed = _literal(LeaseState.ACTIVE), _literal(AttemptState.CLAIMED)
+    current = ", ".join(_literal(state) for state in SESSION_CURRENT_STATES)
+    dispatching = _literal(RunState.DISPATCHING)
     found = _SNAPSHOT_SQL[key] = f"""
         SELECT statement_timestamp(),
             COALESCE((SELECT c.paused FROM {t(DispatchControl)} c WHERE c.id = %s), false),
             {_SNAPSHOT_SESSION.select()}, w.slots,
-            (s.state = %s AND w.admin_state = %s),
-            (SELECT count(*) FROM {t(RunLease)} l WHERE l.session_id = s.id AND l.state = %s),
+            (s.state = {online} AND w.admin_state = {active}),
+            (SELECT count(*) FROM {t(RunLease)} l
+             WHERE l.session_id = s.id AND l.state = {lease_active}),
             EXISTS (
                 SELECT 1 FROM {t(RunLease)} l JOIN {t(Attempt)} a ON a.id = l.attempt_id
-                WHERE l.session_id = s.id AND l.state = %s AND l.delivery_count >= %s
-                  AND a.state = %s
+                WHERE l.session_id = s.id AND l.state = {lease_active} AND l.delivery_count >= %s
+                  AND a.state = {claimed}
             ),
             EXISTS (
                 SELECT 1 FROM {t(RunLease)} l
                 JOIN {t(Attempt)} a ON a.id = l.attempt_id
                 JOIN {t(Run)} r ON r.id = l.run_id
                 WHERE l.session_id = s.id AND l.expires_at > statement_timestamp()
-                  AND s.state IN (%s, %s) AND s.generation = l.session_generation
-                  AND l.state = %s AND a.state = %s AND a.lease_generation = l.lease_generation
-                  AND r.state = %s AND NOT r.cancel_requested AND l.delivery_count < %s
+                  AND s.state IN ({current}) AND s.generation = l.session_generation
+                  AND l.state = {lease_active} AND a.state = {claimed}
+                  AND a.lease_generation = l.lease_generation
+                  AND r.state = {dispatching} AND NOT r.cancel_requested AND l.delivery_count < %s
             )
         FROM {t(WorkerSession)} s JOIN {t(Worker)} w ON w.id = s.worker_id
         WHERE s.session_id = %s {"AND s.id = %s" if by_pk else ""}
-    """  # noqa: S608  (names from model metadata; values are parameters)
+    """  # noqa: S608  (names from model metadata; the states are the models' own constants, checked by _literal; values are parameters)
     return found
 
 

@@ -246,3 +246,19 @@ def test_what_is_re_deliverable_is_what_recovery_reads(change: str) -> None:
     assert _snapshot_says(session)[0] is recovered
     # A draining Session still gets its lease back; the rest no longer.
     assert recovered is (change == "session_draining")
+
+
+@pytest.mark.postgres
+def test_the_prepared_snapshot_names_its_states_as_literals() -> None:
+    """The snapshot is prepared once per connection (qinglong.prepared) and soon
+    runs a generic plan: only literal states let that plan use the partial
+    indexes over active leases (`runlease_active_session`, …) instead of every
+    lease a long-lived Session ever held."""
+    from dispatch.cycles import _snapshot_sql
+
+    for by_pk in (False, True):
+        sql = _snapshot_sql(by_pk=by_pk)
+        assert sql.count("l.state = 'active'") == 3, sql
+        # What is left as parameters: the kill switch's key, max_deliveries
+        # twice, the Session's public id (and its key).
+        assert sql.count("%s") == (5 if by_pk else 4), sql
