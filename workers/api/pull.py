@@ -91,8 +91,8 @@ _STATE = re.compile(r"[a-z_]+")
 
 def _literal(state: str) -> str:
     # A code constant, never a request value; a literal (not a parameter) so
-    # that the plan PostgreSQL keeps for the prepared statement proves the
-    # partial index `runlease_active_session` (state = 'active') applies.
+    # that the plan PostgreSQL keeps for the prepared statement can use the
+    # partial indexes over active leases (state = 'active').
     assert _STATE.fullmatch(state), state
     return f"'{state}'"
 
