@@ -430,13 +430,12 @@ def _sessions(count: int, slots: int) -> None:
 # The first cycle's offers must not come due for re-announcement before the
 # second cycle, however slow the box (the second would then recover them
 # instead of claiming: seen under a load of 9 on 2 cores).
-@budget(redelivery_backoff_s=3600)
 def test_query_count_per_cycle_does_not_grow_with_the_backlog() -> None:
     task = testing.make_task()
     _sessions(2, slots=2)
     for _ in range(10):
         testing.make_run(task)
-    with CaptureQueriesContext(connection) as small:
+    with budget(redelivery_backoff_s=3600), CaptureQueriesContext(connection) as small:
         small_result = dispatch_cycle(scope=GLOBAL)
 
     # Fresh capacity (the first Workers are full) and a 20x backlog.
@@ -445,7 +444,7 @@ def test_query_count_per_cycle_does_not_grow_with_the_backlog() -> None:
         testing.make_run(task)
     cycle_recorder.reset()  # both cycles are written as rows of their own
     revisions_read.clear()  # and both read the Task's revision
-    with CaptureQueriesContext(connection) as large:
+    with budget(redelivery_backoff_s=3600), CaptureQueriesContext(connection) as large:
         large_result = dispatch_cycle(scope=GLOBAL)
 
     assert small_result.counts.claims_won == large_result.counts.claims_won == 4
