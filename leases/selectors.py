@@ -6,14 +6,12 @@ under their own locks.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Collection
 from datetime import datetime
 
 from django.db.models import F, OuterRef, Q, QuerySet
 
-from dispatch.core.offer import tokens_equal
-from dispatch.core.policy import MAX_DELIVERIES_REASON, free_slots
+from dispatch.core.policy import MAX_DELIVERIES_REASON
 from leases import policy
 from leases.models import LeaseState, RunLease
 from runs.models import AttemptState
@@ -27,8 +25,6 @@ __all__ = [
     "leases_over_delivered",
     "offers_to_stop",
     "over_delivered_leases",
-    "pull_id_conflicts",
-    "session_free_slots",
 ]
 
 # A heartbeat answer names at most this many cancelled offers (newest work is
@@ -43,30 +39,6 @@ _STARTED = (AttemptState.STARTING, AttemptState.RUNNING)
 def active_lease_count(session_pk: int) -> int:
     """Leases that count against the Session's capacity: every active one."""
     return RunLease.objects.filter(session_id=session_pk, state=LeaseState.ACTIVE).count()
-
-
-def session_free_slots(session: WorkerSession) -> int:
-    """Slots of a pulling Session not taken by started work.
-
-    Claimed-but-not-started leases are not subtracted: the pull re-delivers
-    them (recovery) and they must fit in the response; the claim itself still
-    counts every active lease against the Session's capacity.
-    """
-    started = RunLease.objects.filter(
-        session=session,
-        state=LeaseState.ACTIVE,
-        attempt__state__in=(AttemptState.STARTING, AttemptState.RUNNING),
-    ).count()
-    return free_slots(policy.session_capacity(session), started)
-
-
-def pull_id_conflicts(*, session_pk: int, pull_id: uuid.UUID | str, token_digest: str) -> bool:
-    """docs/adr/0003: did this Session use `pull_id` with another lease token?"""
-    digests = RunLease.objects.filter(session_id=session_pk, pull_id=pull_id).values_list(
-        "token_digest", flat=True
-    )
-    # Constant time per comparison: response timing must not leak a digest.
-    return any(not tokens_equal(token_digest, stored) for stored in digests)
 
 
 def over_delivered_leases(

@@ -117,10 +117,10 @@ def _guard_sql() -> str:
 def _pull_guard(*, session: WorkerSession, pull_id: uuid.UUID) -> tuple[list[str], int]:
     """The token digests this Session's leases of `pull_id` hold, and its free slots.
 
-    One statement written once (issue #12) for what `leases.selectors`
-    asks in two compiled per call (`pull_id_conflicts`, `session_free_slots`):
-    slots not taken by started work — claimed-but-not-started leases are not
-    subtracted, the pull re-delivers them and they must fit in the response.
+    One statement written once (issue #12; it replaced two ORM queries):
+    docs/adr/0003's one pull id, one token, and the slots not taken by
+    started work — claimed-but-not-started leases are not subtracted, the
+    pull re-delivers them and they must fit in the response.
     """
     pull_param = RunLease._meta.get_field("pull_id").get_db_prep_value(pull_id, connection)
     # Every pull asks it: PostgreSQL plans it once per connection (qinglong.prepared).
