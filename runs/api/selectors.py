@@ -14,7 +14,7 @@ from typing import Any
 
 from django.db import connection
 
-from dispatch.adapters.waiting import enqueued_waiting, placement_unmatched, run_waiting
+from dispatch.adapters.waiting import enqueued_answers, placement_unmatched, run_waiting
 from dispatch.core.ports import to_rfc3339
 from leases.models import RunLease
 from qinglong.prepared import prepared_cursor
@@ -188,16 +188,24 @@ def task_by_name(project_slug: str, name: str) -> Task | None:
 
 
 def enqueued_detail(run: Run, attempt: Attempt) -> dict[str, Any]:
-    """A Run just enqueued, exactly as `run_detail` answers it, from the rows in hand.
+    """A Run just enqueued, exactly as `run_detail` answers it, and its
+    `unplaceable_json`, from the rows in hand.
 
     Its one Attempt is pending and holds no lease yet; its Project, Task and
-    revision are read in. Only `waiting` is asked, without reading the Run or
-    its Attempt again (it depends on the rest of the system).
+    revision are read in. Only `waiting` and the placement are asked, without
+    reading the Run or its Attempt again (they depend on the rest of the
+    system), in as few statements as `enqueued_answers` can.
     """
+    if run.state == RunState.QUEUED:
+        waiting, reason = enqueued_answers(run)
+    else:  # pragma: no cover - a Run is enqueued queued
+        waiting, reason = None, placement_unmatched(run.task_revision)
     return {
         **_run_summary(run),
         "attempts": [_attempt_json(attempt, [])],
-        "waiting": enqueued_waiting(run) if run.state == RunState.QUEUED else None,
+        "waiting": waiting,
+        "unplaceable_now": reason is not None,
+        "unplaceable_reason": reason,
     }
 
 

@@ -48,7 +48,6 @@ from runs.api.selectors import (
     run_detail,
     run_page,
     task_by_name,
-    unplaceable_json,
 )
 from runs.api.serializers import (
     SLUG_RE,
@@ -370,8 +369,7 @@ class RunsView(OperatorApiView):
         run.project = task.project
         assert task.current_revision is not None
         run.task_revision = task.current_revision
-        answer = {**enqueued_detail(run, attempt), **unplaceable_json(run.task_revision)}
-        return Response(answer, status=status.HTTP_201_CREATED)
+        return Response(enqueued_detail(run, attempt), status=status.HTTP_201_CREATED)
 
     def _post_many(self, items: list[Any]) -> Response:
         """A list: every Run or none; the first bad item is named by its index."""

@@ -96,16 +96,16 @@ def test_a_single_enqueue_reads_and_writes_in_few_statements(client: Client) -> 
     auth = [s for s in statements if '"authtoken_token"' in s or '"auth_permission"' in s]
     tasks = [s for s in statements if 'FROM "runs_task"' in s]
     assert (len(auth), len(tasks)) == (1, 1), statements
-    # In all: those three; the answer's why-waiting (the kill switch with the
-    # clock, the online Workers) and unplaceable_now (the enrolled Workers);
-    # the savepoint around the insert is the test's own transaction's.
+    # In all: those three; the kill switch with the clock and the enrolled
+    # Workers (unplaceable_now) in one, the online Workers (why-waiting); the
+    # savepoint around the insert is the test's own transaction's.
     own = [s for s in statements if "SAVEPOINT" not in s]
-    assert len(own) == 6, "\n".join(own)
+    assert len(own) == 5, "\n".join(own)
     dispatch_set_paused(paused=True, reason="test")
     with CaptureQueriesContext(connection) as queries:
         post_json(client, f"{API}/runs", {"project": "p", "task": "t"}, op)
     paused = [q["sql"] for q in queries.captured_queries if "SAVEPOINT" not in q["sql"]]
-    assert len(paused) == 5, "\n".join(paused)  # paused: no Worker is asked about
+    assert len(paused) == 4, "\n".join(paused)  # paused: no online Worker is asked about
 
 
 # ------------------------------------------------------------ authentication
@@ -213,9 +213,12 @@ def test_the_enqueue_statements_are_prepared_once_per_connection(client: Client)
     assert runs_of('FROM "runs_task" t') == [3]
     assert runs_of('INSERT INTO "runs_run"', "COALESCE") == [3]
     assert runs_of('INSERT INTO "runs_run"', "unnest") == [3]
-    assert runs_of('"dispatch_dispatchcontrol"') == [3]
     assert runs_of('FROM "workers_workersession" s') == [3]
-    assert runs_of('FROM "workers_worker" s WHERE') == [6]
+    # A single's kill switch, clock and enrolled Workers are one statement; a
+    # list asks the enrolled Workers alone.
+    assert runs_of('"dispatch_dispatchcontrol"', 'FROM "workers_worker" s WHERE') == [3]
+    assert runs_of('"dispatch_dispatchcontrol"') == [3]
+    assert sorted(runs_of('FROM "workers_worker" s WHERE')) == [3, 3]
 
 
 @pytest.mark.postgres  # the PostgreSQL inserts' helper
@@ -240,3 +243,38 @@ def test_insert_values_are_what_model_save_writes() -> None:
                 assert before <= value <= timezone.now() + timedelta(seconds=1), field.name
             else:
                 assert value == expected, field.name
+
+
+@pytest.mark.parametrize("setup", ["no_worker", "missing_label", "placed", "paused", "offline"])
+def test_the_combined_answers_are_each_question_asked_alone(setup: str) -> None:
+    """`enqueued_answers` (the kill switch and the enrolled Workers in one
+    statement) answers what `enqueued_waiting` and `placement_unmatched` do."""
+    from dispatch.adapters.waiting import enqueued_answers, enqueued_waiting, placement_unmatched
+    from runs.api.selectors import task_by_name
+
+    gpu = {"required_labels": {"gpu": "a100", "zone": "eu"}}
+    make_task(project=make_project("p"), name="t", placement=gpu)
+    if setup in ("missing_label", "paused"):
+        testing.open_session(labels={"gpu": "t4"})
+    if setup in ("placed", "paused"):
+        testing.open_session(labels={"gpu": "a100", "zone": "eu"})
+    if setup == "offline":
+        testing.make_worker(labels={"gpu": "a100", "zone": "eu"})
+    if setup == "paused":
+        dispatch_set_paused(paused=True, reason="test")
+    found = task_by_name("p", "t")
+    assert found is not None
+    run, _ = run_enqueue_one(task=found)
+    run.project = found.project
+    assert found.current_revision is not None
+    run.task_revision = found.current_revision
+    alone = (enqueued_waiting(run), placement_unmatched(run.task_revision))
+    assert enqueued_answers(run) == alone
+    expected = {
+        "no_worker": ("no_matching_worker", "no_enrolled_worker"),
+        "missing_label": ("no_matching_worker", "no_enrolled_worker"),
+        "placed": ("eligible", None),
+        "paused": ("dispatch_paused", None),
+        "offline": ("no_matching_worker", None),
+    }[setup]
+    assert (alone[0]["reason"], alone[1] and alone[1]["reason"]) == expected
