@@ -237,7 +237,11 @@ def _enqueue_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
 
 
 def _param(field: Any) -> str:
-    return f"%s::{field.db_type(connection)}"
+    """A placeholder cast to the field's column type — `varchar` without its
+    length, which an explicit cast would silently truncate to (the column
+    itself still refuses a value too long)."""
+    db_type = str(field.db_type(connection))
+    return f"%s::{'varchar' if db_type.startswith('varchar(') else db_type}"
 
 
 # RETURNING lists without a table alias: an INSERT's RETURNING names its own columns.
