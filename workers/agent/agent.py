@@ -62,7 +62,6 @@ from workers.agent.protocol import (
     Spawner,
     Transport,
     TransportError,
-    verify_offer,
 )
 
 __all__ = ["Agent", "SessionHandle", "SessionLost", "SessionRefused", "log"]
@@ -495,7 +494,7 @@ class Agent:
     def _occupied(self, session: SessionHandle) -> int:
         """Offers of this Session in hand, running or owing a report: each
         holds one of the Session's slots on the control plane too."""
-        return len(self.journal.open_executions(session_id=session.session_id))
+        return self.journal.count_open(session_id=session.session_id)
 
     def free_slots(self) -> int:
         if self.session is None:
@@ -560,7 +559,7 @@ class Agent:
         answer. One that got no answer worth acting on (no answer at all, a
         5xx, a 429, a 401) is left to its runner, which sends it again."""
         acks = session.acks
-        fit = [runner for runner in runners if verify_offer(runner.offer)]
+        fit = [runner for runner in runners if runner.verified]
         if acks is None or len(fit) < 2:
             return
         try:

@@ -260,22 +260,27 @@ class Journal:
     ) -> OfferVerdict:
         """First thing done with an offer: record it, or say it is known."""
         now = time.time()
-        with self._transaction() as db:
-            row = db.execute(
-                "SELECT spec_sha256 FROM executions WHERE offer_id = ?", (offer_id,)
-            ).fetchone()
-            if row is not None:
-                return OfferVerdict.DUPLICATE if row[0] == spec_sha256 else OfferVerdict.CONFLICT
-            db.execute(
+        with self._lock:
+            # One statement, committed when it returns (autocommit): a new
+            # offer is recorded in a single write; a known one writes nothing.
+            cursor = self._db.execute(
                 "INSERT INTO executions (offer_id, spec_sha256, lease_token, session_id, phase,"
-                " received_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                " received_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (offer_id) DO NOTHING",
                 (offer_id, spec_sha256, lease_token, session_id, Phase.RECEIVED, now, now),
             )
-        return OfferVerdict.NEW
+            if cursor.rowcount == 1:
+                return OfferVerdict.NEW
+            row = self._db.execute(
+                "SELECT spec_sha256 FROM executions WHERE offer_id = ?", (offer_id,)
+            ).fetchone()
+        return OfferVerdict.DUPLICATE if row[0] == spec_sha256 else OfferVerdict.CONFLICT
 
     def _update(self, offer_id: str, assignments: str, *values: object) -> None:
-        with self._transaction() as db:
-            db.execute(
+        # One statement is its own transaction (autocommit): committed, in the
+        # WAL, when `execute` returns; no BEGIN/COMMIT round of its own.
+        with self._lock:
+            self._db.execute(
                 f"UPDATE executions SET {assignments}, updated_at = ? WHERE offer_id = ?",  # noqa: S608
                 (*values, time.time(), offer_id),
             )
@@ -378,6 +383,17 @@ class Journal:
         if row is None:
             return None
         return SessionRecord(str(row[0]), str(row[1]), float(row[2]))
+
+    def count_open(self, *, session_id: str) -> int:
+        """How many executions of one Session are not yet reported."""
+        marks = ", ".join("?" for _ in OPEN_PHASES)
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT count(*) FROM executions WHERE phase IN ({marks})"  # noqa: S608
+                " AND session_id = ?",
+                (*OPEN_PHASES, session_id),
+            ).fetchone()
+        return int(row[0])
 
     def open_executions(self, *, session_id: str | None = None) -> list[Execution]:
         """Executions not yet reported (of one Session, or of every Session)."""

@@ -15,6 +15,7 @@ recorded start time, or when a member carries the execution's marker.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -35,7 +36,9 @@ MARKER_ENV = "QL_OFFER_ID"
 _PROC = Path("/proc")
 
 
+@functools.cache
 def procfs_available() -> bool:
+    """Whether /proc can be read (Linux): asked once, it does not change."""
     return (_PROC / "self" / "stat").exists()
 
 
@@ -53,9 +56,8 @@ class ProcInfo:
 
 
 def proc_info(pid: int) -> ProcInfo | None:
-    try:
-        raw = (_PROC / str(pid) / "stat").read_bytes()
-    except OSError:
+    raw = _read_stat(str(pid))
+    if raw is None:
         return None
     # Field 2 (comm) is in parentheses and may hold spaces and parentheses
     # itself: the fields after it start after the LAST ')'.
@@ -183,31 +185,41 @@ def end_execution(
 _NOT_RUNNING = (b"Z", b"X", b"x")  # zombie, dead: runs nothing
 
 
-def _stat_head(name: str) -> list[bytes] | None:
-    """[state, ppid, pgrp, rest] of /proc/<name>/stat, read with two system
-    calls and no objects: this runs over every process after every Attempt."""
+def _read_stat(name: str) -> bytes | None:
+    """/proc/<name>/stat, read with plain system calls and no path objects."""
     try:
         fd = os.open(f"/proc/{name}/stat", os.O_RDONLY)
     except OSError:
         return None
     try:
-        raw = os.read(fd, 4096)
+        return os.read(fd, 4096)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _stat_head(name: str) -> list[bytes] | None:
+    """[state, ppid, pgrp, rest] of /proc/<name>/stat."""
+    raw = _read_stat(name)
+    if raw is None:
+        return None
     return raw[raw.rfind(b")") + 2 :].split(b" ", 3)
 
 
 def group_members_alive(pgid: int, *, exclude: Iterable[int] = ()) -> bool:
     """Whether a live process other than `exclude` is in the process group.
 
-    Linux has no "members of a process group" call, so every process's stat
-    is read; the leader itself (unreaped, so its pid and group id are not
-    handed out again) is excluded by the caller.
+    Linux has no "members of a process group" call, so every process is
+    asked for its group: one `getpgid` system call each (no file to open and
+    parse: this runs over every process after every Attempt); only a member
+    of the group has its stat read, for its state. The leader itself
+    (unreaped, so its pid and group id are not handed out again) is excluded
+    by the caller.
     """
     skip = {str(pid) for pid in exclude}
     group = str(pgid).encode()
+    getpgid = os.getpgid
     try:
         names = os.listdir("/proc")  # noqa: PTH208  (names, not Path objects: hot)
     except OSError:
@@ -215,6 +227,13 @@ def group_members_alive(pgid: int, *, exclude: Iterable[int] = ()) -> bool:
     for name in names:
         if not name.isdigit() or name in skip:
             continue
+        try:
+            if getpgid(int(name)) != pgid:
+                continue
+        except ProcessLookupError:
+            continue  # gone meanwhile
+        except OSError:
+            pass  # not ours to ask (a security module): its stat tells
         head = _stat_head(name)
         if head is not None and len(head) > 2 and head[2] == group and head[0] not in _NOT_RUNNING:
             return True

@@ -336,6 +336,15 @@ class AttemptRunner:
         # The agent's fence ended this Attempt's processes from another thread.
         self._fenced = False
         self._running_acked = False
+        self._verified: bool | None = None
+
+    @property
+    def verified(self) -> bool:
+        """Whether the spec hashes to the offer's digest (worked out once:
+        the offer is the one received and is never changed)."""
+        if self._verified is None:
+            self._verified = verify_offer(self.offer)
+        return self._verified
 
     # ------------------------------------------------------------ control
 
@@ -540,7 +549,7 @@ class AttemptRunner:
             self._changed()
 
     def _run(self, outcome: AttemptOutcome) -> AttemptOutcome:
-        if not verify_offer(self.offer):
+        if not self.verified:
             # Never run a spec that is not the one the lease was granted for.
             self.starting_answered.set()
             self._finish(Outcome.NOT_STARTED)
