@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import re
 import threading
 import time
 import uuid
@@ -49,7 +48,7 @@ from leases.models import LeaseState, RunLease
 from leases.renew import leases_record_delivery
 from qinglong.clock import db_now
 from qinglong.metrics import cycle_observed
-from qinglong.prepared import prepared_cursor
+from qinglong.prepared import prepared_cursor, state_literal
 from qinglong.rows import ModelColumns
 from runs.models import Attempt, AttemptState, Run, RunState
 from workers.models import (
@@ -230,13 +229,6 @@ _SNAPSHOT_SESSION = ModelColumns(
 _SNAPSHOT_SQL: dict[tuple[str, bool], str] = {}
 
 
-def _literal(value: str) -> str:
-    """A state constant as an SQL literal (only plain identifiers are ever written)."""
-    if not re.fullmatch(r"[a-z_]+", str(value)):
-        raise ValueError(f"not a state constant: {value!r}")
-    return f"'{value}'"
-
-
 def _snapshot_sql(*, by_pk: bool) -> str:
     key = (connection.vendor, by_pk)
     found = _SNAPSHOT_SQL.get(key)
@@ -251,10 +243,10 @@ def _snapshot_sql(*, by_pk: bool) -> str:
     # prepared (qinglong.prepared), and only a literal `l.state = 'active'`
     # lets a generic plan use the partial index `runlease_active_session` —
     # with a parameter it would read every lease the Session ever held.
-    online, active = _literal(SessionState.ONLINE), _literal(WorkerAdminState.ACTIVE)
-    lease_active, claimed = _literal(LeaseState.ACTIVE), _literal(AttemptState.CLAIMED)
-    current = ", ".join(_literal(state) for state in SESSION_CURRENT_STATES)
-    dispatching = _literal(RunState.DISPATCHING)
+    online, active = state_literal(SessionState.ONLINE), state_literal(WorkerAdminState.ACTIVE)
+    lease_active, claimed = state_literal(LeaseState.ACTIVE), state_literal(AttemptState.CLAIMED)
+    current = ", ".join(state_literal(state) for state in SESSION_CURRENT_STATES)
+    dispatching = state_literal(RunState.DISPATCHING)
     found = _SNAPSHOT_SQL[key] = f"""
         SELECT statement_timestamp(),
             COALESCE((SELECT c.paused FROM {t(DispatchControl)} c WHERE c.id = %s), false),
@@ -279,7 +271,7 @@ def _snapshot_sql(*, by_pk: bool) -> str:
             )
         FROM {t(WorkerSession)} s JOIN {t(Worker)} w ON w.id = s.worker_id
         WHERE s.session_id = %s {"AND s.id = %s" if by_pk else ""}
-    """  # noqa: S608  (names from model metadata; the states are the models' own constants, checked by _literal; values are parameters)
+    """  # noqa: S608  (names from model metadata; the states are the models' own constants, checked by state_literal; values are parameters)
     return found
 
 

@@ -291,7 +291,8 @@ def lock_claim_rows(
     params: list[Any] = [run_id, attempt_id, session_key]
     if postgres:
         params.append(_async_commit())
-    with connection.cursor() as cursor:
+    # Every claim runs it: prepared once per connection (qinglong.prepared).
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         names = [column[0] for column in cursor.description]
         values = cursor.fetchone()
@@ -773,7 +774,7 @@ def lock_claim_batch(keys: Sequence[BatchKey], *, skip_locked: bool) -> ClaimBat
     """
     assert connection.vendor == "postgresql", "a batch of claims is one statement on PostgreSQL"
     sql = _claim_batch_sql(skip=_skip(skip_locked))
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:  # once per page: prepared once per connection
         cursor.execute(sql, [*_batch_keys_params(keys), _async_commit()])
         row = cursor.fetchone()
     assert row is not None
@@ -844,7 +845,7 @@ def lock_claim_batch_limits(
     task_ids = sorted({r.run.task_id for r in rows.values() if r.task_limit})
     session_keys = sorted({k.session_key for k in locked if k.session_key is not None})
     params = [*_batch_keys_params(keys), project_ids, task_ids, session_keys, now, now]
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
     assert row is not None

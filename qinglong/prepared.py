@@ -28,11 +28,12 @@ this is `connection.cursor()`.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-__all__ = ["prepared_cursor"]
+__all__ = ["prepared_cursor", "state_literal"]
 
 # Django opens psycopg connections with `prepare_threshold=None`, which turns
 # off even an explicit `prepare=True`. A threshold no statement reaches
@@ -77,6 +78,22 @@ def _classes() -> tuple[type[Any], type[Any]]:
 
         _CLASSES.append((PreparingCursor, PreparedDebugWrapper))
     return _CLASSES[0]
+
+
+_STATE = re.compile(r"[a-z_]+")
+
+
+def state_literal(value: str) -> str:
+    """A state constant as an SQL literal, for the text of a prepared statement.
+
+    A code constant, never a request value. A literal, not a parameter: the
+    plan PostgreSQL keeps for a prepared statement (a generic plan, after a
+    few executions) can use a partial index only when the index's condition
+    (`state = 'active'`, `state = 'queued'`) is in the text itself.
+    """
+    if not _STATE.fullmatch(str(value)):
+        raise ValueError(f"not a state constant: {value!r}")
+    return f"'{value}'"
 
 
 def prepared_cursor() -> Any:

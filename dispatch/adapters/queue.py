@@ -35,6 +35,7 @@ from django.utils.dateparse import parse_datetime
 from dispatch.core.fairness import QueueGroup, RowsWanted, WalkStart
 from dispatch.core.ports import Candidate, DispatchScope
 from leases.models import LeaseState, RunLease
+from qinglong.prepared import prepared_cursor, state_literal
 from runs.models import Attempt, AttemptState, Project, Run, RunState, TaskRevision
 from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
@@ -84,11 +85,13 @@ def servable_sessions_cte(scope: DispatchScope) -> tuple[str, list[Any]]:
     sql = (
         f"SELECT s.executor_types AS executor_types, s.labels AS labels "  # noqa: S608  (table names from model metadata)
         f"FROM {_t(WorkerSession)} s JOIN {_t(Worker)} w ON w.id = s.worker_id "
-        "WHERE s.state = %s AND w.admin_state = %s "
-        f"AND (SELECT count(*) FROM {_t(RunLease)} l WHERE l.session_id = s.id AND l.state = %s) "
+        f"WHERE s.state = {state_literal(SessionState.ONLINE)} "
+        f"AND w.admin_state = {state_literal(WorkerAdminState.ACTIVE)} "
+        f"AND (SELECT count(*) FROM {_t(RunLease)} l "
+        f"WHERE l.session_id = s.id AND l.state = {state_literal(LeaseState.ACTIVE)}) "
         f"< {least}(s.slots, w.slots)"
     )
-    params: list[Any] = [SessionState.ONLINE, WorkerAdminState.ACTIVE, LeaseState.ACTIVE]
+    params: list[Any] = []
     if scope.session is not None:
         ref = scope.session
         try:
@@ -131,8 +134,10 @@ def placement_matches(session: str, revision: str) -> str:
 def _busy_sql(column: str, owner: str) -> str:
     return (
         f"(SELECT count(*) FROM {_t(Run)} rr JOIN {_t(RunLease)} l ON l.run_id = rr.id "  # noqa: S608  (table names from model metadata)
-        f"WHERE rr.{column} = {owner} AND rr.state IN (%s, %s) "
-        "AND l.state = %s AND l.expires_at > %s)"
+        f"WHERE rr.{column} = {owner} "
+        f"AND rr.state IN ({state_literal(RunState.DISPATCHING)}, "
+        f"{state_literal(RunState.RUNNING)}) "
+        f"AND l.state = {state_literal(LeaseState.ACTIVE)} AND l.expires_at > %s)"
     )
 
 
@@ -148,7 +153,7 @@ def task_busy_sql(owner: str) -> str:
 
 
 def busy_params(now: datetime) -> list[Any]:
-    return [RunState.DISPATCHING, RunState.RUNNING, LeaseState.ACTIVE, _dt(now)]
+    return [_dt(now)]
 
 
 # ------------------------------------------------------------------ the reader
@@ -179,15 +184,15 @@ class OrmQueueReader:
             sg = _AFTER_ALL if start[1] is None else int(start[1])
         run = _t(Run)
         successor = (
-            f"SELECT r2.id FROM {run} r2 WHERE r2.state = %s "  # noqa: S608  (table names from model metadata)
+            f"SELECT r2.id FROM {run} r2 WHERE r2.state = {state_literal(RunState.QUEUED)} "  # noqa: S608  (table names from model metadata)
             "AND (r2.project_id, r2.task_revision_id) > (w.project_id, w.revision_id) "
             "ORDER BY r2.project_id, r2.task_revision_id LIMIT 1"
         )
         first = (
-            f"SELECT r.project_id, r.task_revision_id FROM {run} r WHERE r.state = %s "  # noqa: S608  (table names from model metadata)
+            f"SELECT r.project_id, r.task_revision_id FROM {run} r "  # noqa: S608  (table names from model metadata)
+            f"WHERE r.state = {state_literal(RunState.QUEUED)} "
             "{extra} ORDER BY r.project_id, r.task_revision_id LIMIT 1"
         )
-        queued = RunState.QUEUED
         walk_sql = (
             "after_walk(project_id, revision_id, n) AS ("  # noqa: S608
             "SELECT project_id, task_revision_id, 1 FROM ("
@@ -206,7 +211,7 @@ class OrmQueueReader:
             "UNION ALL SELECT 1, n, project_id, revision_id FROM before_walk)"
         )
         limit = cap + 1
-        params: list[Any] = [queued, sp, sg, queued, limit, queued, sp, sg, queued, limit, sp, sg]
+        params: list[Any] = [sp, sg, limit, sp, sg, limit, sp, sg]
         ctes = walk_sql
         if self.scope is None:
             flags = "0, 0, 1"
@@ -234,7 +239,11 @@ class OrmQueueReader:
             now = self.observed_at
             params += [*busy_params(now), *busy_params(now)]
         params.append(limit)
-        with connection.cursor() as cursor:
+        # Every cycle walks: PostgreSQL plans the walk once per connection and
+        # scope kind (qinglong.prepared). Its states are literals in the text,
+        # so the generic plan keeps the partial indexes on queued Runs and
+        # active leases.
+        with prepared_cursor() as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
         groups: list[QueueGroup] = []

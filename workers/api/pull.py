@@ -8,7 +8,6 @@ token is a 409 and runs no cycle at all.
 
 from __future__ import annotations
 
-import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from dispatch.cycles import dispatch_cycle
 from dispatch.notify import Wake, offer_subscription
 from leases.models import LeaseState, RunLease
 from leases.policy import session_capacity
-from qinglong.prepared import prepared_cursor
+from qinglong.prepared import prepared_cursor, state_literal
 from runs.models import Attempt, AttemptState
 from workers.models import WorkerSession
 
@@ -86,15 +85,6 @@ def _release_database_connection() -> None:
 
 
 _GUARD_SQL: dict[str, str] = {}
-_STATE = re.compile(r"[a-z_]+")
-
-
-def _literal(state: str) -> str:
-    # A code constant, never a request value; a literal (not a parameter) so
-    # that the plan PostgreSQL keeps for the prepared statement can use the
-    # partial indexes over active leases (state = 'active').
-    assert _STATE.fullmatch(state), state
-    return f"'{state}'"
 
 
 def _guard_sql() -> str:
@@ -102,13 +92,14 @@ def _guard_sql() -> str:
     if found is None:
         qn = connection.ops.quote_name
         lease, attempt = qn(RunLease._meta.db_table), qn(Attempt._meta.db_table)
-        started = ", ".join(_literal(s) for s in (AttemptState.STARTING, AttemptState.RUNNING))
+        started = ", ".join(state_literal(s) for s in (AttemptState.STARTING, AttemptState.RUNNING))
         found = _GUARD_SQL[connection.vendor] = (
             f"SELECT 0, l.{qn('token_digest')}, 0 FROM {lease} l "  # noqa: S608  (names from model metadata, states are constants; values are parameters)
             f"WHERE l.{qn('session_id')} = %s AND l.{qn('pull_id')} = %s "
             f"UNION ALL SELECT 1, NULL, COUNT(*) FROM {lease} l "
             f"JOIN {attempt} a ON a.{qn('id')} = l.{qn('attempt_id')} "
-            f"WHERE l.{qn('session_id')} = %s AND l.{qn('state')} = {_literal(LeaseState.ACTIVE)} "
+            f"WHERE l.{qn('session_id')} = %s "
+            f"AND l.{qn('state')} = {state_literal(LeaseState.ACTIVE)} "
             f"AND a.{qn('state')} IN ({started})"
         )
     return found
