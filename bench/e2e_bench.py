@@ -382,6 +382,32 @@ def _enroll(name: str, slots: int, credential_file: Path) -> None:
         handle.write(credential)
 
 
+def _group_cpu(pgid: int) -> tuple[float, float]:
+    """CPU seconds of every live process in a process group (each process the
+    bench starts leads its own): (their own utime + stime, their reaped
+    children's). An agent's `true` children run in groups of their own and
+    are counted in its second figure once reaped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    own = children = 0
+    for name in os.listdir("/proc"):  # noqa: PTH208
+        if not name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{name}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        if int(fields[2]) != pgid:
+            continue
+        own += int(fields[11]) + int(fields[12])
+        children += int(fields[13]) + int(fields[14])
+    return own / tick, children / tick
+
+
+def _cpu_by_process(procs: Processes) -> dict[str, tuple[float, float]]:
+    return {name: _group_cpu(proc.pid) for name, proc in procs.procs.items()}
+
+
 def _xact_commits(db: str) -> int:
     from django.db import connection
 
@@ -598,6 +624,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
     commits_before = _xact_commits(E2E_DB)
 
     log("dispatch resumed: draining")
+    cpu_before = _cpu_by_process(procs)
     polls = 0
     started = time.perf_counter()
     dispatch_set_paused(paused=False, reason="", actor="bench")
@@ -615,7 +642,19 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         procs.check_alive()
         time.sleep(args.check_interval)
     seconds = time.perf_counter() - started
+    cpu_after = _cpu_by_process(procs)
     log(f"  {args.runs / seconds:.1f} Runs/s")
+    # CPU ms per Run over the drain, by process kind (agents: their own threads
+    # and, apart, their reaped `true` children).
+    cpu_ms: dict[str, float] = {}
+    for name, (own, kids) in cpu_after.items():
+        own0, kids0 = cpu_before.get(name, (0.0, 0.0))
+        kind = "agents" if name.startswith("agent") else name
+        cpu_ms[kind] = cpu_ms.get(kind, 0.0) + 1000 * (own - own0) / args.runs
+        if kind == "agents":
+            cpu_ms["agents_children"] = (
+                cpu_ms.get("agents_children", 0.0) + 1000 * (kids - kids0) / args.runs
+            )
     idle: dict[str, Any] | None = None
     if args.idle_s > 0:
         time.sleep(1.1)  # let the backends' statistics reach pg_stat_database
@@ -647,6 +686,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         "per_s": args.runs / seconds,
         "first_terminal_s": first_done,
         "db_commits_per_run": commits / args.runs,
+        "cpu_ms_per_run": cpu_ms,
         "lease_sources": sources,
         "dispatch_cycles": cycles,
         "agent_events": agent["events"],
@@ -1119,6 +1159,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             for step, g in e2e_result["phase_gaps"].items()
         )
         out(f"           per Run, median between recorded transitions: {gaps}")
+        cpu_ms = e2e_result.get("cpu_ms_per_run")
+        if cpu_ms:
+            out(
+                "           CPU ms per Run over the drain: "
+                + ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(cpu_ms.items()))
+            )
         idle = e2e_result.get("idle")
         if idle:
             out(

@@ -28,6 +28,8 @@ Standard library only (the agent contract).
 from __future__ import annotations
 
 import codecs
+import heapq
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -117,17 +119,30 @@ class OutputSender:
         self.sent_chunks = 0
         self.stopped = False  # the control plane refused: send nothing more
         self._closing = threading.Event()
+        self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- thread
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._loop, name=f"output-{self.offer_id[:8]}", daemon=True
-        )
-        self._thread.start()
+        """Send on a thread of its own from one interval on. Nothing is sent
+        before the first interval ends, so the thread is only started then,
+        if the sender is still open (`_Starter`): an Attempt that ends sooner
+        (most of them) costs no thread; `close` sends its output."""
+        _STARTER.start_at(self._clock() + self.interval_s, self)
+
+    def _start_thread(self) -> None:
+        with self._start_lock:
+            if self._closing.is_set() or self._thread is not None:
+                return
+            self._thread = threading.Thread(
+                target=self._loop, name=f"output-{self.offer_id[:8]}", daemon=True
+            )
+            self._thread.start()
 
     def _loop(self) -> None:
+        # Started one interval after `start`: send now, then every interval.
+        self._guarded_step()
         while not self._closing.wait(self.interval_s):
             self._guarded_step()
 
@@ -142,7 +157,8 @@ class OutputSender:
 
     def close(self, *, flush_s: float = _FINAL_FLUSH_S) -> None:
         """Stop the thread, then send what is left for at most `flush_s` seconds."""
-        self._closing.set()
+        with self._start_lock:
+            self._closing.set()  # a thread not started yet never will be
         if self._thread is not None:
             self._thread.join()
         deadline = self._clock() + flush_s
@@ -203,6 +219,47 @@ class OutputSender:
         return self.transport.post(
             f"/api/v1/worker/leases/{self.offer_id}/output", body, token=self.session_token
         )
+
+
+class _Starter:
+    """Starts each sender's thread when its first interval ends, unless it was
+    closed meanwhile. One daemon thread for the agent; it only starts threads
+    (never a request), so no Attempt's output waits for another's."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, OutputSender]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def start_at(self, when: float, sender: OutputSender) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (when, next(self._order), sender))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="output-starter", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._due:
+                        when, _, sender = self._due[0]
+                        delay = when - sender._clock()
+                        if delay <= 0:
+                            heapq.heappop(self._due)
+                            break
+                        self._cond.wait(delay)
+                    else:
+                        self._cond.wait()
+            if not sender._closing.is_set():
+                sender._start_thread()
+
+
+_STARTER = _Starter()
 
 
 def output_watcher(runner: AttemptRunner, process: Process) -> Callable[[], None] | None:

@@ -162,6 +162,23 @@ def test_the_same_offer_id_with_another_digest_is_a_conflict_and_changes_nothing
     )
 
 
+def test_count_open_counts_one_sessions_unreported_executions(journal: Journal) -> None:
+    # What a pull counts as taken slots: every phase but `reported`, one Session.
+    for index in range(4):
+        journal.record_offer(
+            offer_id=f"{index:064x}", spec_sha256=DIGEST, lease_token=TOKEN, session_id="s1"
+        )
+    journal.record_offer(offer_id="f" * 64, spec_sha256=DIGEST, lease_token=TOKEN, session_id="s2")
+    journal.mark_started(f"{1:064x}")
+    journal.mark_finished(f"{2:064x}", outcome=Outcome.EXITED, exit_code=0)
+    journal.mark_reported(f"{3:064x}", report="acked")
+    counted = journal.count_open(session_id="s1")
+    assert counted == 3
+    assert counted == len(journal.open_executions(session_id="s1"))
+    assert journal.count_open(session_id="s2") == 1
+    assert journal.count_open(session_id="s3") == 0
+
+
 def test_the_records_survive_a_reopen_and_the_token_goes_once_reported(state_dir: Path) -> None:
     journal = Journal.open(state_dir)
     journal.record_offer(offer_id=OFFER, spec_sha256=DIGEST, lease_token=TOKEN, session_id="s1")

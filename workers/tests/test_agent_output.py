@@ -214,3 +214,43 @@ def test_requests_are_plain_json():
     drain(sender)
     json.dumps(transport.requests)
     assert transport.requests[0]["chunk"] == "\x00\ufffd binary\n"
+
+
+def test_a_sender_closed_within_its_first_interval_starts_no_thread_and_sends_its_output():
+    # Nothing is sent before the first interval ends: an Attempt that ends
+    # sooner costs no thread (issue 12); its output goes in the last flush.
+    import time
+
+    output, transport = FakeOutput(), FakeTransport()
+    sender = OutputSender(
+        transport=transport,
+        session_token="session-token",
+        offer_id="e" * 64,
+        lease_token="lease-token",
+        read=output.read_output,
+        size=output.output_size,
+        on_cancel=lambda: None,
+        interval_s=0.05,
+    )
+    sender.start()
+    output.write(b"quick\n")
+    sender.close()
+    time.sleep(0.2)  # past the interval: the thread is still never started
+    assert sender._thread is None
+    assert [r["chunk"] for r in transport.requests] == ["quick\n"]
+    assert [r["seq"] for r in transport.requests] == [1]
+
+
+def test_a_sender_still_open_after_its_first_interval_sends_on_its_own_thread():
+    import time
+
+    output, transport = FakeOutput(), FakeTransport()
+    sender = make_sender(output, transport)
+    output.write(b"first\n")
+    sender.start()
+    deadline = time.monotonic() + 5
+    while not transport.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender._thread is not None
+    assert transport.requests[0]["chunk"] == "first\n"
+    sender.close()
