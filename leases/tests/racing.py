@@ -3,7 +3,8 @@
 `race` releases calls at one barrier, one thread and Django connection each;
 `held_by_someone` probes a row lock from a separate psycopg connection;
 `assert_locks_in_order` holds each row in turn elsewhere and checks which of
-the others the statement already holds while it waits for it.
+the others the statement already holds while it waits for it; `HeldRows`
+holds rows `FOR UPDATE` in another connection until released.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 import psycopg
 from django.db import connection, transaction
+from django.db.models import Model
 
 
 def race(*calls: Callable[[], Any], timeout: float = 30) -> list[Any]:
@@ -102,3 +105,40 @@ def assert_locks_in_order(rows: list[tuple[str, int]], statement: Callable[[], A
             blocker.rollback()
             blocker.close()
             worker.join(10)
+
+
+class HeldRows:
+    """Rows locked `FOR UPDATE`, in that order, by another connection (a
+    thread) from `with` until `release()` or the end of the block."""
+
+    def __init__(self, *rows: tuple[type[Model], int]) -> None:
+        self.rows = rows
+        self._locked, self._release = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._hold)
+
+    def _hold(self) -> None:
+        try:
+            with transaction.atomic():
+                for model, pk in self.rows:
+                    model._default_manager.select_for_update().get(pk=pk)
+                self._locked.set()
+                self._release.wait(20)
+        finally:
+            connection.close()
+
+    def __enter__(self) -> HeldRows:
+        self._thread.start()
+        assert self._locked.wait(10), "the rows were not locked in time"
+        return self
+
+    def release(self) -> None:
+        self._release.set()
+        self._thread.join(20)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.release()

@@ -30,7 +30,7 @@ from leases.errors import Outcome
 from leases.locks import BatchKey, lock_claim_batch, lock_claim_batch_limits
 from leases.models import LeaseState, RunLease
 from leases.quota import project_live_lease_count, task_live_lease_count
-from leases.tests.racing import assert_locks_in_order, race
+from leases.tests.racing import HeldRows, assert_locks_in_order, race
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptEvent, AttemptState, Project, Run, RunState
@@ -242,27 +242,10 @@ def test_two_pages_for_the_same_rows_claim_each_attempt_once() -> None:
 def test_a_pair_held_elsewhere_is_a_lost_race_for_that_request_only() -> None:
     session = _session(8)
     a, b, c = _attempts(3)
-    locked, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        try:
-            with transaction.atomic():
-                Run.objects.select_for_update().get(pk=b.run_id)
-                locked.set()
-                release.wait(20)
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert locked.wait(10)
+    with HeldRows((Run, b.run_id)):
         started = time.monotonic()
         outcomes = lease_claim_many(_requests([a, b, c], session, skip_locked=True))
         elapsed = time.monotonic() - started
-    finally:
-        release.set()
-        holder.join(20)
     assert _statuses(outcomes) == [WON, LOST, WON]
     assert elapsed < 2.0  # SKIP LOCKED: no wait
     assert lease_claim(testing.claim_request(b, session)[0]).status is WON
@@ -386,37 +369,20 @@ def test_a_second_round_relocks_only_what_the_first_held(monkeypatch: pytest.Mon
     # PostgreSQL used to detect): it stays a lost race of this page.
     session = _session(8)
     a, b, c = _attempts(3)
-    locked, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        try:
-            with transaction.atomic():
-                Run.objects.select_for_update().get(pk=b.run_id)
-                locked.set()
-                release.wait(20)
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
     rounds: list[int] = []
     original = claim_module._write_page
 
-    def write(page: Any) -> Any:
-        rounds.append(len(page.granted))
-        if len(rounds) == 1:
-            release.set()  # the pair is free before the second round...
-            holder.join(20)
-            return None  # ...which this first write forces (a count "grew")
-        return original(page)
+    with HeldRows((Run, b.run_id)) as held:
 
-    monkeypatch.setattr(claim_module, "_write_page", write)
-    try:
-        assert locked.wait(10)
+        def write(page: Any) -> Any:
+            rounds.append(len(page.granted))
+            if len(rounds) == 1:
+                held.release()  # the pair is free before the second round...
+                return None  # ...which this first write forces (a count "grew")
+            return original(page)
+
+        monkeypatch.setattr(claim_module, "_write_page", write)
         outcomes = lease_claim_many(_requests([a, b, c], session, skip_locked=True))
-    finally:
-        release.set()
-        holder.join(20)
     assert rounds == [2, 2]
     assert _statuses(outcomes) == [WON, LOST, WON]
     assert Attempt.objects.get(pk=b.pk).state == AttemptState.PENDING

@@ -9,12 +9,10 @@ many dispatchers and web nodes safe — these tests make them actually collide.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
 
 from dispatch.core.ports import ClaimStatus
 from leases.ack import AckPhase, lease_ack
@@ -22,7 +20,7 @@ from leases.claim import lease_claim
 from leases.end import lease_expire, run_cancel
 from leases.errors import LeaseConflict, Outcome
 from leases.models import LeaseState, RunLease
-from leases.tests.racing import race
+from leases.tests.racing import HeldRows, race
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState
@@ -52,28 +50,10 @@ def test_global_claim_skips_a_row_locked_by_another_connection() -> None:
     attempt = testing.pending_attempt(run)
     session = testing.open_session().session
     request, _ = testing.claim_request(attempt, session, skip_locked=True)
-    locked, release = threading.Event(), threading.Event()
-
-    def hold_lock() -> None:
-        try:
-            with transaction.atomic():
-                Run.objects.select_for_update().get(pk=run.pk)
-                Attempt.objects.select_for_update().get(pk=attempt.pk)
-                locked.set()
-                release.wait(20)
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold_lock)
-    holder.start()
-    try:
-        assert locked.wait(10)
+    with HeldRows((Run, run.pk), (Attempt, attempt.pk)):
         started = time.monotonic()
         outcome = lease_claim(request)
         elapsed = time.monotonic() - started
-    finally:
-        release.set()
-        holder.join(20)
     # SKIP LOCKED: the rival's row is someone else's business, not a wait.
     assert outcome.status is ClaimStatus.ATTEMPT_LOST
     assert elapsed < 2.0
