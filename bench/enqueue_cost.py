@@ -34,89 +34,32 @@ under cProfile and prints the top functions by own and cumulative time.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
+import functools
 import json
 import os
 import pstats
 import secrets
 import statistics
 import sys
-import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+# bench/ is sys.path[0] when this file runs as a script.
+from _measure import (
+    ROOT,
+    Measure,
+    Wsgi,
+    admin,
+    db_url,
+    log,
+    measure_rounds,
+    profile_rounds,
+    where,
+)
+
 BENCH_DB = os.environ.get("BENCH_DB_NAME", "ql_bench_enqcost")
 PROJECT, TASK = "enqcost", "true"
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _db_url(base: str, name: str) -> str:
-    parts = urlsplit(base)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))
-
-
-def _admin(base: str, *statements: str) -> None:
-    import psycopg
-
-    with psycopg.connect(base, autocommit=True) as conn:
-        for sql in statements:
-            conn.execute(sql)
-
-
-class Wsgi:
-    """Calls the WSGI application as a server would, one request at a time."""
-
-    def __init__(self, token: str) -> None:
-        from django.core.wsgi import get_wsgi_application
-
-        self.app = get_wsgi_application()
-        self.token = token
-
-    def post(self, path: str, body: Any) -> tuple[int, Any]:
-        raw = json.dumps(body).encode()
-        environ = {
-            "REQUEST_METHOD": "POST",
-            "SCRIPT_NAME": "",
-            "PATH_INFO": path,
-            "QUERY_STRING": "",
-            "CONTENT_TYPE": "application/json",
-            "CONTENT_LENGTH": str(len(raw)),
-            "SERVER_NAME": "127.0.0.1",
-            "SERVER_PORT": "8000",
-            "SERVER_PROTOCOL": "HTTP/1.1",
-            "REMOTE_ADDR": "127.0.0.1",
-            "HTTP_HOST": "127.0.0.1:8000",
-            "HTTP_AUTHORIZATION": f"Token {self.token}",
-            "HTTP_ACCEPT": "application/json",
-            "wsgi.version": (1, 0),
-            "wsgi.url_scheme": "http",
-            "wsgi.input": io.BytesIO(raw),
-            "wsgi.errors": sys.stderr,
-            "wsgi.multithread": True,
-            "wsgi.multiprocess": True,
-            "wsgi.run_once": False,
-        }
-        status: list[str] = []
-
-        def start_response(line: str, headers: Any, exc_info: Any = None) -> Any:
-            status.append(line)
-
-        result = self.app(environ, cast(Any, start_response))
-        try:
-            payload = b"".join(result)
-        finally:
-            close = getattr(result, "close", None)
-            if close is not None:
-                close()
-        return int(status[0].split()[0]), json.loads(payload) if payload else None
 
 
 class Bench:
@@ -145,10 +88,11 @@ class Bench:
         user = get_user_model().objects.create_superuser(
             "bench", "bench@example.invalid", secrets.token_urlsafe(24)
         )
-        self.wsgi = Wsgi(Token.objects.create(user=user).key)
+        self.wsgi = Wsgi()
+        self.headers = {"HTTP_AUTHORIZATION": f"Token {Token.objects.create(user=user).key}"}
 
     def _post(self, body: Any, *, runs: int) -> None:
-        code, answer = self.wsgi.post("/api/v1/runs", body)
+        code, answer = self.wsgi.post("/api/v1/runs", body, self.headers)
         if code != 201:
             raise RuntimeError(f"enqueue: {code} {answer}")
         got = len(answer["results"]) if isinstance(body, list) else 1
@@ -178,7 +122,7 @@ KINDS: dict[str, tuple[int, int, bool]] = {
 }
 
 
-def one_round(bench: Bench, measure: Callable[[str, Callable[[], None]], None]) -> None:
+def one_round(bench: Bench, measure: Measure) -> None:
     for kind, (runs, requests, paused) in KINDS.items():
         _paused(paused)
         call = bench.single if runs == 1 else bench.many(runs)
@@ -193,41 +137,6 @@ def _trim() -> None:
 
     Attempt.objects.all().delete()
     Run.objects.all().delete()
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def backend_cpu() -> tuple[int, float]:
-    """This connection's PostgreSQL backend and its CPU seconds (user + system)
-    so far: the server runs on this box. Clock ticks: meaningful summed over
-    many requests."""
-    from django.db import connection
-
-    connection.ensure_connection()
-    pid = connection.connection.info.backend_pid
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return pid, (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def measure_rounds(bench: Bench, rounds: int) -> dict[str, dict[str, list[float]]]:
-    samples: dict[str, dict[str, list[float]]] = defaultdict(
-        lambda: {"cpu": [], "wall": [], "pg": []}
-    )
-
-    def measure(kind: str, call: Callable[[], None]) -> None:
-        pid, pg = backend_cpu()
-        cpu, wall = time.process_time(), time.perf_counter()
-        call()
-        samples[kind]["cpu"].append(time.process_time() - cpu)
-        samples[kind]["wall"].append(time.perf_counter() - wall)
-        pid_after, pg_after = backend_cpu()
-        if pid_after == pid:  # else the connection was renewed (CONN_MAX_AGE)
-            samples[kind]["pg"].append(pg_after - pg)
-
-    for _ in range(rounds):
-        one_round(bench, measure)
-    return samples
 
 
 def count_queries(bench: Bench) -> dict[str, int]:
@@ -249,34 +158,20 @@ def count_queries(bench: Bench) -> dict[str, int]:
 
 
 def profile(bench: Bench, rounds: int) -> None:
-    profilers: dict[str, cProfile.Profile] = defaultdict(
-        lambda: cProfile.Profile(time.process_time)
-    )
-
-    def measure(kind: str, call: Callable[[], None]) -> None:
-        profiler = profilers[kind]
-        profiler.enable()
-        try:
-            call()
-        finally:
-            profiler.disable()
-
-    for _ in range(rounds):
-        one_round(bench, measure)
+    profilers = profile_rounds(functools.partial(one_round, bench), rounds)
     for kind, (runs, requests, _) in KINDS.items():
         n = rounds * requests * runs
         print(f"\n== {kind}: ms per Run under cProfile (own, cumulative, calls per Run)")
         stats = pstats.Stats(profilers[kind])
         rows: list[tuple[float, float, int, str]] = []
         for (filename, line, name), (_cc, calls, own, cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-            short = filename.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
-            rows.append((own, cum, calls, f"{short}:{line}({name})"))
+            rows.append((own, cum, calls, where(filename, line, name)))
         print(f"   total {1000 * sum(r[0] for r in rows) / n:.3f} ms per Run")
         for key, title in ((0, "own"), (1, "cumulative")):
             print(f"   top by {title}:")
             ranked = sorted(rows, key=lambda r: r[0] if key == 0 else r[1], reverse=True)
-            for own, cum, calls, where in ranked[: int(os.environ.get("BENCH_TOP", "22"))]:
-                print(f"   {1000 * own / n:8.4f} {1000 * cum / n:8.4f} {calls / n:8.2f}  {where}")
+            for own, cum, calls, place in ranked[: int(os.environ.get("BENCH_TOP", "22"))]:
+                print(f"   {1000 * own / n:8.4f} {1000 * cum / n:8.4f} {calls / n:8.2f}  {place}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,12 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     base = os.environ.get("BENCH_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    _admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)", f"CREATE DATABASE {BENCH_DB}")
+    admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)", f"CREATE DATABASE {BENCH_DB}")
     try:
         os.environ.update(
             {
                 "DJANGO_SETTINGS_MODULE": "qinglong.settings",
-                "DATABASE_URL": _db_url(base, BENCH_DB),
+                "DATABASE_URL": db_url(base, BENCH_DB),
                 "DEBUG": "0",
                 "SECRET_KEY": secrets.token_urlsafe(50),
                 "ALLOWED_HOSTS": "127.0.0.1,localhost",
@@ -311,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"migrate {BENCH_DB}")
         call_command("migrate", verbosity=0)
         bench = Bench()
+        each_round = functools.partial(one_round, bench)
         log(f"warm-up: {args.warmup} rounds")
-        measure_rounds(bench, args.warmup)
+        measure_rounds(each_round, args.warmup)
         log(f"measure: {args.rounds} rounds")
-        samples = measure_rounds(bench, args.rounds)
+        samples = measure_rounds(each_round, args.rounds)
         queries = count_queries(bench)
         figures: dict[str, Any] = {"load_1m": os.getloadavg()[0], "kinds": {}}
         print(f"POST /api/v1/runs in process (WSGI), PostgreSQL, {args.rounds} rounds, ", end="")
@@ -345,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(figures, indent=2))
         connection.close()
     finally:
-        _admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
+        admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
     return 0
 
 

@@ -51,50 +51,43 @@ Wall-clock figures move with the box's load; CPU ms much less.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
+import functools
 import json
 import os
 import pstats
 import secrets
 import statistics
 import sys
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+# bench/ is sys.path[0] when this file runs as a script.
+from _measure import (
+    ROOT,
+    Measure,
+    Samples,
+    Wsgi,
+    admin,
+    db_url,
+    log,
+    measure_rounds,
+    profile_rounds,
+    where,
+)
+
 BENCH_DB = os.environ.get("BENCH_DB_NAME", "ql_bench_reqcost")
 REDIS_URL = "redis://127.0.0.1:6379/9"
 SLOTS = 8
 WORKER_API = "/api/v1/worker"
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _db_url(base: str, name: str) -> str:
-    parts = urlsplit(base)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))
-
-
-def _admin(base: str, *statements: str) -> None:
-    import psycopg
-
-    with psycopg.connect(base, autocommit=True) as conn:
-        for sql in statements:
-            conn.execute(sql)
-
-
 def _env(base: str, cache: str, log_level: str) -> dict[str, str]:
     return {
         "DJANGO_SETTINGS_MODULE": "qinglong.settings",
-        "DATABASE_URL": _db_url(base, BENCH_DB),
+        "DATABASE_URL": db_url(base, BENCH_DB),
         "DEBUG": "0",
         "SECRET_KEY": secrets.token_urlsafe(50),
         "ALLOWED_HOSTS": "127.0.0.1,localhost",
@@ -106,56 +99,6 @@ def _env(base: str, cache: str, log_level: str) -> dict[str, str]:
         # Every heartbeat recorded: the agent beats every 10 s, past the minimum.
         "QL_HEARTBEAT_MIN_INTERVAL_S": "0",
     }
-
-
-class Wsgi:
-    """Calls the WSGI application as a server would, one request at a time."""
-
-    def __init__(self) -> None:
-        from django.core.wsgi import get_wsgi_application
-
-        self.app = get_wsgi_application()
-
-    def post(self, path: str, body: Any, token: str) -> tuple[int, Any]:
-        raw = json.dumps(body).encode()
-        environ = {
-            "REQUEST_METHOD": "POST",
-            "SCRIPT_NAME": "",
-            "PATH_INFO": path,
-            "QUERY_STRING": "",
-            "CONTENT_TYPE": "application/json",
-            "CONTENT_LENGTH": str(len(raw)),
-            "SERVER_NAME": "127.0.0.1",
-            "SERVER_PORT": "8000",
-            "SERVER_PROTOCOL": "HTTP/1.1",
-            "REMOTE_ADDR": "127.0.0.1",
-            "HTTP_HOST": "127.0.0.1:8000",
-            "HTTP_AUTHORIZATION": f"Bearer {token}",
-            "HTTP_USER_AGENT": "qinglong-agent/bench",
-            "HTTP_ACCEPT": "application/json",
-            "wsgi.version": (1, 0),
-            "wsgi.url_scheme": "http",
-            "wsgi.input": io.BytesIO(raw),
-            "wsgi.errors": sys.stderr,
-            "wsgi.multithread": True,
-            "wsgi.multiprocess": True,
-            "wsgi.run_once": False,
-        }
-        status: list[str] = []
-
-        def start_response(line: str, headers: Any, exc_info: Any = None) -> Any:
-            status.append(line)
-            return None
-
-        result = self.app(environ, cast(Any, start_response))
-        try:
-            payload = b"".join(result)
-        finally:
-            close = getattr(result, "close", None)
-            if close is not None:
-                close()
-        code = int(status[0].split()[0])
-        return code, json.loads(payload) if payload else None
 
 
 class Bench:
@@ -182,6 +125,10 @@ class Bench:
             agent_version="bench",
         ).token
         self.wsgi = Wsgi()
+        self.headers = {
+            "HTTP_AUTHORIZATION": f"Bearer {self.token}",
+            "HTTP_USER_AGENT": "qinglong-agent/bench",
+        }
         self.offers: list[dict[str, Any]] = []
         self.lease_token = ""
 
@@ -192,7 +139,7 @@ class Bench:
             run_enqueue(task=self.task)
 
     def _post(self, path: str, body: Any, *, expect: int = 200) -> Any:
-        code, answer = self.wsgi.post(f"{WORKER_API}/{path}", body, self.token)
+        code, answer = self.wsgi.post(f"{WORKER_API}/{path}", body, self.headers)
         if code != expect:
             raise RuntimeError(f"{path}: {code} {answer}")
         return answer
@@ -248,7 +195,7 @@ KINDS = (
 RUNS_SERVED = {"pull, claiming 8": SLOTS, **{k: SLOTS for k in KINDS if k.startswith("acks")}}
 
 
-def one_round(bench: Bench, measure: Callable[[str, Callable[[], None]], None]) -> None:
+def one_round(bench: Bench, measure: Measure) -> None:
     """The requests of 8 Runs, in the agent's order, each through `measure`."""
     measure("pull, nothing queued", lambda: bench.pull(want=0))
     bench.enqueue(SLOTS)  # not measured
@@ -258,41 +205,6 @@ def one_round(bench: Bench, measure: Callable[[str, Callable[[], None]], None]) 
     measure("acks, 8 running", lambda: bench.acks("running"))
     measure("heartbeat", bench.heartbeat)
     measure("acks, 8 succeeded", lambda: bench.acks("succeeded"))
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def backend_cpu() -> tuple[int, float]:
-    """This connection's PostgreSQL backend and its CPU seconds (user + system)
-    so far, from /proc (the server runs on this box). Clock ticks: meaningful
-    summed over many requests."""
-    from django.db import connection
-
-    connection.ensure_connection()
-    pid = connection.connection.info.backend_pid
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return pid, (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def measure_rounds(bench: Bench, rounds: int) -> dict[str, dict[str, list[float]]]:
-    samples: dict[str, dict[str, list[float]]] = defaultdict(
-        lambda: {"cpu": [], "wall": [], "pg": []}
-    )
-
-    def measure(kind: str, call: Callable[[], None]) -> None:
-        pid, pg = backend_cpu()
-        cpu, wall = time.process_time(), time.perf_counter()
-        call()
-        samples[kind]["cpu"].append(time.process_time() - cpu)
-        samples[kind]["wall"].append(time.perf_counter() - wall)
-        pid_after, pg_after = backend_cpu()
-        if pid_after == pid:  # else the connection was renewed (CONN_MAX_AGE)
-            samples[kind]["pg"].append(pg_after - pg)
-
-    for _ in range(rounds):
-        one_round(bench, measure)
-    return samples
 
 
 def count_queries(bench: Bench) -> dict[str, int]:
@@ -383,21 +295,7 @@ def _inclusive(stats: pstats.Stats) -> dict[str, float]:
 
 
 def profile(bench: Bench, rounds: int) -> dict[str, Any]:
-    # CPU time, not wall time: waiting for PostgreSQL or Redis costs no CPU here.
-    profilers: dict[str, cProfile.Profile] = defaultdict(
-        lambda: cProfile.Profile(time.process_time)
-    )
-
-    def measure(kind: str, call: Callable[[], None]) -> None:
-        profiler = profilers[kind]
-        profiler.enable()
-        try:
-            call()
-        finally:
-            profiler.disable()
-
-    for _ in range(rounds):
-        one_round(bench, measure)
+    profilers = profile_rounds(functools.partial(one_round, bench), rounds)
     report: dict[str, Any] = {}
     for kind in KINDS:
         stats = pstats.Stats(profilers[kind])
@@ -405,8 +303,7 @@ def profile(bench: Bench, rounds: int) -> dict[str, Any]:
         rows = []
         for (filename, line, name), (_cc, calls, own, cumulative, _callers) in stats.stats.items():  # type: ignore[attr-defined]
             by_category[_category(filename, name)] += own
-            short = filename.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
-            rows.append((own, cumulative, calls, f"{short}:{line}({name})"))
+            rows.append((own, cumulative, calls, where(filename, line, name)))
         total = sum(by_category.values())
         rows.sort(reverse=True)
         report[kind] = {
@@ -423,9 +320,9 @@ def profile(bench: Bench, rounds: int) -> dict[str, Any]:
                     "own_ms": 1000 * own / rounds,
                     "cum_ms": 1000 * cum / rounds,
                     "calls": calls / rounds,
-                    "function": where,
+                    "function": place,
                 }
-                for own, cum, calls, where in rows[:15]
+                for own, cum, calls, place in rows[:15]
             ],
         }
     return report
@@ -442,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     base = os.environ.get("BENCH_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    _admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)", f"CREATE DATABASE {BENCH_DB}")
+    admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)", f"CREATE DATABASE {BENCH_DB}")
     flush = None
     if args.cache == "redis":
         import redis
@@ -461,10 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"migrate {BENCH_DB}")
         call_command("migrate", verbosity=0)
         bench = Bench()
+        each_round = functools.partial(one_round, bench)
         log(f"warm-up: {args.warmup} rounds")
-        measure_rounds(bench, args.warmup)
+        measure_rounds(each_round, args.warmup)
         log(f"measure: {args.rounds} rounds")
-        samples = measure_rounds(bench, args.rounds)
+        samples = measure_rounds(each_round, args.rounds)
         queries = count_queries(bench)
         figures = _figures(samples, queries)
         _print(figures, args)
@@ -476,13 +374,13 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(figures, indent=2))
         connection.close()
     finally:
-        _admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
+        admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
         if flush is not None:
             flush()
     return 0
 
 
-def _figures(samples: dict[str, dict[str, list[float]]], queries: dict[str, int]) -> dict[str, Any]:
+def _figures(samples: Samples, queries: dict[str, int]) -> dict[str, Any]:
     kinds: dict[str, Any] = {}
     for kind in KINDS:
         cpu, wall, pg = samples[kind]["cpu"], samples[kind]["wall"], samples[kind]["pg"]
