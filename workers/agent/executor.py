@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -66,6 +67,53 @@ def _exit_status(result: os.waitid_result) -> int:
     if result.si_code == os.CLD_EXITED:
         return int(result.si_status)
     return -int(result.si_status)
+
+
+class _ExitWatcher:
+    """Tells of children's exits: a pidfd per child (readable once it exits,
+    never reaping it) in one epoll set, watched by one daemon thread for the
+    whole agent that only calls the callbacks it was given (the runners'
+    wake-ups). A thread per child cost more CPU than the rest of a short
+    Attempt's wait (issue 12)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoll: Any = None
+        self._callbacks: dict[int, Callable[[], None]] = {}
+
+    def watch(self, pid: int, callback: Callable[[], None]) -> bool:
+        """False where pidfds or epoll are missing: the caller watches itself."""
+        pidfd_open = getattr(os, "pidfd_open", None)
+        epoll = getattr(select, "epoll", None)
+        if pidfd_open is None or epoll is None:
+            return False
+        try:
+            fd = pidfd_open(pid)  # close-on-exec: no child inherits it
+        except OSError:
+            return False  # e.g. a kernel before 5.3
+        with self._lock:
+            if self._epoll is None:
+                self._epoll = epoll()
+                threading.Thread(target=self._loop, name="exit-watcher", daemon=True).start()
+            self._callbacks[fd] = callback
+            self._epoll.register(fd, select.EPOLLIN)
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            events = self._epoll.poll()
+            for fd, _ in events:
+                with self._lock:
+                    callback = self._callbacks.pop(fd, None)
+                    with contextlib.suppress(OSError):
+                        self._epoll.unregister(fd)
+                    os.close(fd)
+                if callback is not None:
+                    with contextlib.suppress(Exception):
+                        callback()
+
+
+_EXITS = _ExitWatcher()
 
 
 class LocalProcess:
@@ -123,11 +171,15 @@ class LocalProcess:
         return self._exit_code
 
     def on_exit(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once the main process has exited (from a thread of
-        its own, blocked in waitid meanwhile), without reaping it: the runner
-        learns of the exit at once instead of at its next poll."""
+        """Call `callback` once the main process has exited, without reaping
+        it: the runner learns of the exit at once instead of at its next poll.
+        Through the agent-wide exit watcher (a pidfd per child, one thread for
+        all of them) where Linux has pidfds, else from a thread of its own,
+        blocked in waitid meanwhile."""
         if not hasattr(os, "waitid"):
             return  # the runner polls
+        if _EXITS.watch(self.pid, callback):
+            return
 
         def watch() -> None:
             with contextlib.suppress(OSError):  # ChildProcessError: reaped already

@@ -30,6 +30,7 @@ from __future__ import annotations
 import codecs
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +64,8 @@ MAX_BACKLOG_BYTES: Final = 256 * 1024
 # A newline this close to the end of a chunk is where it is cut.
 _NEWLINE_WINDOW: Final = 4 * 1024
 _FINAL_FLUSH_S: Final = 5.0
+# Senders' threads are started on this tick (see `_Starter`).
+_STARTER_TICK_S: Final = 0.25
 
 Reader = Callable[[int, int], bytes]
 SizeOf = Callable[[], int]
@@ -224,7 +227,10 @@ class OutputSender:
 class _Starter:
     """Starts each sender's thread when its first interval ends, unless it was
     closed meanwhile. One daemon thread for the agent; it only starts threads
-    (never a request), so no Attempt's output waits for another's."""
+    (never a request), so no Attempt's output waits for another's. It wakes
+    on a coarse tick (`_STARTER_TICK_S`), taking every sender due by then at
+    once: a few wakes a second however many Attempts start, a sender's first
+    chunk going out up to one tick past its interval."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -233,6 +239,7 @@ class _Starter:
         self._thread: threading.Thread | None = None
 
     def start_at(self, when: float, sender: OutputSender) -> None:
+        when = math.ceil(when / _STARTER_TICK_S) * _STARTER_TICK_S
         with self._cond:
             heapq.heappush(self._due, (when, next(self._order), sender))
             if self._thread is None:
@@ -240,23 +247,24 @@ class _Starter:
                     target=self._loop, name="output-starter", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if self._due[0][2] is sender:
+                self._cond.notify()  # a new earliest: wake sooner than planned
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while True:
-                    if self._due:
-                        when, _, sender = self._due[0]
-                        delay = when - sender._clock()
-                        if delay <= 0:
-                            heapq.heappop(self._due)
-                            break
-                        self._cond.wait(delay)
-                    else:
-                        self._cond.wait()
-            if not sender._closing.is_set():
-                sender._start_thread()
+                while not self._due:
+                    self._cond.wait()
+                delay = self._due[0][0] - self._due[0][2]._clock()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue
+                due: list[OutputSender] = []
+                while self._due and self._due[0][0] <= self._due[0][2]._clock():
+                    due.append(heapq.heappop(self._due)[2])
+            for sender in due:
+                if not sender._closing.is_set():
+                    sender._start_thread()
 
 
 _STARTER = _Starter()

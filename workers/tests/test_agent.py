@@ -244,6 +244,26 @@ def test_real_process_spawner_runs_the_spec_and_bounds_the_output_tail(tmp_path)
     assert tail.endswith("END" + str(tmp_path))
 
 
+def test_a_childs_exit_wakes_its_runner_without_reaping_it_and_no_thread_per_child(tmp_path):
+    # The agent-wide exit watcher (a pidfd per child, issue 12): told at the
+    # exit, while the child stays unreaped (its pid still names the group).
+    spawn = ProcessSpawner(tmp_path)
+    command = [sys.executable, "-c", "import time; time.sleep(0.5)"]
+    processes = [spawn(a_spec(command=command)) for _ in range(4)]
+    woken = [threading.Event() for _ in processes]
+    for process, event in zip(processes, woken, strict=True):
+        process.on_exit(event.set)
+    # While they run: no thread of their own waits for any of them.
+    waiting = [t.name for t in threading.enumerate() if t.name.startswith("exit-")]
+    assert waiting == ["exit-watcher"]
+    assert all(event.wait(30) for event in woken)
+    for process in processes:
+        assert Path(f"/proc/{process.pid}").exists()  # a zombie: not reaped
+        assert process.poll() == 0
+        assert process.release(grace_s=1) == 0
+        process.close()
+
+
 def test_agent_package_imports_no_django():
     code = (
         "import sys; import workers.agent.__main__, workers.agent.agent; "
