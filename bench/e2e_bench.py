@@ -65,7 +65,9 @@ from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+
+# bench/ is sys.path[0] when this file runs as a script.
+from _measure import admin, db_url, pid_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E_DB, MICRO_DB, PEER_DB = "ql_bench_e2e", "ql_bench_micro", "ql_bench_peer"
@@ -78,19 +80,6 @@ INSTALL_HINT = "the peer needs: .venv/bin/pip install -r bench/requirements.txt"
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _db_url(base: str, name: str) -> str:
-    parts = urlsplit(base)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))
-
-
-def _admin(base: str, *statements: str) -> None:
-    import psycopg
-
-    with psycopg.connect(base, autocommit=True) as conn:
-        for sql in statements:
-            conn.execute(sql)
 
 
 def _free_port() -> int:
@@ -107,7 +96,7 @@ def django_env(base: str, db: str, *, log_level: str) -> dict[str, str]:
     env.update(
         {
             "DJANGO_SETTINGS_MODULE": "qinglong.settings",
-            "DATABASE_URL": _db_url(base, db),
+            "DATABASE_URL": db_url(base, db),
             "DEBUG": "0",
             "SECRET_KEY": os.environ.get("BENCH_SECRET_KEY") or secrets.token_urlsafe(50),
             "ALLOWED_HOSTS": "127.0.0.1,localhost",
@@ -844,13 +833,7 @@ def _backend_cpu(connection: Any) -> Any:
     stat = Path(f"/proc/{pid}/stat")
     if address not in (None, "127.0.0.1", "::1") or not stat.exists():
         return None
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def used() -> float:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-
-    return used
+    return functools.partial(pid_cpu, pid)
 
 
 def child_micro(runs: int, global_cycles: int) -> dict[str, Any]:
@@ -1322,8 +1305,8 @@ def main(argv: list[str] | None = None) -> int:
     dbs = (E2E_DB, MICRO_DB, PEER_DB)
     uses_redis = args.celery or args.long_poll > 0
     try:
-        _admin(base, *(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)" for db in dbs))
-        _admin(base, f"CREATE DATABASE {E2E_DB}", f"CREATE DATABASE {PEER_DB}")
+        admin(base, *(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)" for db in dbs))
+        admin(base, f"CREATE DATABASE {E2E_DB}", f"CREATE DATABASE {PEER_DB}")
         if uses_redis:
             import redis
 
@@ -1336,11 +1319,11 @@ def main(argv: list[str] | None = None) -> int:
         call_command("migrate", verbosity=0)
         connection.close()
         # The micro bench starts from the same freshly migrated schema.
-        _admin(base, f"CREATE DATABASE {MICRO_DB} TEMPLATE {E2E_DB}")
+        admin(base, f"CREATE DATABASE {MICRO_DB} TEMPLATE {E2E_DB}")
 
         def peer(when: str) -> dict[str, Any]:
             log(f"Procrastinate ({when}): {args.peer_jobs} jobs at concurrency 1 and 4, micro")
-            argv = ["peer", _db_url(base, PEER_DB), str(args.peer_jobs), str(args.micro_runs)]
+            argv = ["peer", db_url(base, PEER_DB), str(args.peer_jobs), str(args.micro_runs)]
             return procs.run_child(f"peer-{when}", [*argv, "1,4"], os.environ.copy(), 300)
 
         # The peer runs before and after the Qinglong parts; the ratios use
@@ -1369,7 +1352,7 @@ def main(argv: list[str] | None = None) -> int:
             from django.db import connections
 
             connections.close_all()
-        _admin(base, *(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)" for db in dbs))
+        admin(base, *(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)" for db in dbs))
         if uses_redis:
             with contextlib.suppress(Exception):
                 import redis

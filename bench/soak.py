@@ -66,6 +66,7 @@ from typing import Any
 
 # bench/ is sys.path[0] when this file runs as a script: the e2e bench's
 # process and database helpers are shared, not copied.
+import _measure
 import e2e_bench as e2e
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     verdict: Verdict | None = None
     try:
-        e2e._admin(base, f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", f"CREATE DATABASE {DB}")
+        _measure.admin(base, f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", f"CREATE DATABASE {DB}")
         import redis
 
         redis.Redis.from_url(REDIS_URL).flushdb()
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             from django.db import connections
 
             connections.close_all()
-        e2e._admin(base, f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+        _measure.admin(base, f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
         with contextlib.suppress(Exception):
             import redis
 
