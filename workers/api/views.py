@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError
@@ -388,15 +388,7 @@ class AckView(WorkerApiView):
         body = validated(_ACK, request.data)
         try:
             result = lease_ack(
-                session=self.session(request),
-                offer_id=offer_id,
-                phase=AckPhase(body["phase"]),
-                lease_token=body["lease_token"],
-                spec_sha256=body["spec_sha256"],
-                executor_handle=body.get("executor_handle", ""),
-                exit_code=body.get("exit_code"),
-                error_code=body.get("error_code", ""),
-                output_tail=body.get("output_tail", ""),
+                session=self.session(request), offer_id=offer_id, **_ack_fields(body)
             )
         except LeaseError as err:
             # LeaseError messages are fixed texts and state names, never secrets.
@@ -527,8 +519,23 @@ def _ack_items(data: Any) -> list[AckItem]:
 def _serialized_ack_item(item: Mapping[str, Any]) -> AckItem:
     """The item as `AckItemSerializer` reads it (ValidationError: what is wrong)."""
     body = _ACK_ITEM.run_validation(item)
-    return AckItem(
-        offer_id=body["offer_id"],
+    return AckItem(offer_id=body["offer_id"], **_ack_fields(body))
+
+
+class _AckFields(TypedDict):
+    phase: AckPhase
+    lease_token: str
+    spec_sha256: str
+    executor_handle: str
+    exit_code: int | None
+    error_code: str
+    output_tail: str
+
+
+def _ack_fields(body: Mapping[str, Any]) -> _AckFields:
+    """A validated ACK body (single or batch item) as `lease_ack` and `AckItem`
+    take it, the fields a phase leaves out at their defaults."""
+    return _AckFields(
         phase=AckPhase(body["phase"]),
         lease_token=body["lease_token"],
         spec_sha256=body["spec_sha256"],
