@@ -118,6 +118,28 @@ def backend_cpu() -> tuple[int, float]:
     return pid, pid_cpu(pid)
 
 
+def django_setup(env: Mapping[str, str], database: str) -> None:
+    """Sets `env`, sets Django up from the repository and migrates `database`
+    (the one `env` names). Project modules are imported after this only."""
+    os.environ.update(env)
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    log(f"migrate {database}")
+    call_command("migrate", verbosity=0)
+
+
+def warm_then_measure(each_round: Round, warmup: int, rounds: int) -> Samples:
+    """`warmup` rounds not kept, then `measure_rounds` of `rounds`."""
+    log(f"warm-up: {warmup} rounds")
+    measure_rounds(each_round, warmup)
+    log(f"measure: {rounds} rounds")
+    return measure_rounds(each_round, rounds)
+
+
 def measure_rounds(each_round: Round, rounds: int) -> Samples:
     """Runs `rounds` rounds; per kind, each call's CPU seconds of this process
     (`cpu`), wall seconds (`wall`) and CPU seconds of the connection's

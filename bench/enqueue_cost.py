@@ -47,14 +47,14 @@ from typing import Any
 
 # bench/ is sys.path[0] when this file runs as a script.
 from _measure import (
-    ROOT,
     Measure,
     Wsgi,
     admin,
     db_url,
+    django_setup,
     log,
-    measure_rounds,
     profile_rounds,
+    warm_then_measure,
     where,
 )
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     base = os.environ.get("BENCH_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)", f"CREATE DATABASE {BENCH_DB}")
     try:
-        os.environ.update(
+        django_setup(
             {
                 "DJANGO_SETTINGS_MODULE": "qinglong.settings",
                 "DATABASE_URL": db_url(base, BENCH_DB),
@@ -194,23 +194,13 @@ def main(argv: list[str] | None = None) -> int:
                 "ALLOWED_HOSTS": "127.0.0.1,localhost",
                 "LOG_LEVEL": "INFO",
                 "QL_CACHE_URL": "memory",
-            }
+            },
+            BENCH_DB,
         )
-        sys.path.insert(0, str(ROOT))
-        import django
-
-        django.setup()
-        from django.core.management import call_command
         from django.db import connection
 
-        log(f"migrate {BENCH_DB}")
-        call_command("migrate", verbosity=0)
         bench = Bench()
-        each_round = functools.partial(one_round, bench)
-        log(f"warm-up: {args.warmup} rounds")
-        measure_rounds(each_round, args.warmup)
-        log(f"measure: {args.rounds} rounds")
-        samples = measure_rounds(each_round, args.rounds)
+        samples = warm_then_measure(functools.partial(one_round, bench), args.warmup, args.rounds)
         queries = count_queries(bench)
         figures: dict[str, Any] = {"load_1m": os.getloadavg()[0], "kinds": {}}
         print(f"POST /api/v1/runs in process (WSGI), PostgreSQL, {args.rounds} rounds, ", end="")

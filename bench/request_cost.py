@@ -66,15 +66,15 @@ from typing import Any
 
 # bench/ is sys.path[0] when this file runs as a script.
 from _measure import (
-    ROOT,
     Measure,
     Samples,
     Wsgi,
     admin,
     db_url,
+    django_setup,
     log,
-    measure_rounds,
     profile_rounds,
+    warm_then_measure,
     where,
 )
 
@@ -347,22 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         flush = redis.Redis.from_url(REDIS_URL).flushdb
         flush()
     try:
-        os.environ.update(_env(base, args.cache, args.log_level))
-        sys.path.insert(0, str(ROOT))
-        import django
-
-        django.setup()
-        from django.core.management import call_command
+        django_setup(_env(base, args.cache, args.log_level), BENCH_DB)
         from django.db import connection
 
-        log(f"migrate {BENCH_DB}")
-        call_command("migrate", verbosity=0)
         bench = Bench()
-        each_round = functools.partial(one_round, bench)
-        log(f"warm-up: {args.warmup} rounds")
-        measure_rounds(each_round, args.warmup)
-        log(f"measure: {args.rounds} rounds")
-        samples = measure_rounds(each_round, args.rounds)
+        samples = warm_then_measure(functools.partial(one_round, bench), args.warmup, args.rounds)
         queries = count_queries(bench)
         figures = _figures(samples, queries)
         _print(figures, args)
