@@ -264,6 +264,26 @@ def test_a_childs_exit_wakes_its_runner_without_reaping_it_and_no_thread_per_chi
         process.close()
 
 
+def test_without_pidfds_a_thread_of_its_own_waits_for_the_childs_exit(tmp_path, monkeypatch):
+    # The fallback (a kernel before 5.3): told at the exit all the same, unreaped.
+    import os
+
+    def no_pidfd(pid: int) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    process = ProcessSpawner(tmp_path)(
+        a_spec(command=[sys.executable, "-c", "import time; time.sleep(0.3)"])
+    )
+    woken = threading.Event()
+    process.on_exit(woken.set)
+    assert f"exit-{process.pid}" in [t.name for t in threading.enumerate()]
+    assert woken.wait(30)
+    assert Path(f"/proc/{process.pid}").exists()  # a zombie: not reaped
+    assert process.release(grace_s=1) == 0
+    process.close()
+
+
 def test_agent_package_imports_no_django():
     code = (
         "import sys; import workers.agent.__main__, workers.agent.agent; "
