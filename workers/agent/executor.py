@@ -96,7 +96,12 @@ class _ExitWatcher:
                 self._epoll = epoll()
                 threading.Thread(target=self._loop, name="exit-watcher", daemon=True).start()
             self._callbacks[fd] = callback
-            self._epoll.register(fd, select.EPOLLIN)
+            try:
+                self._epoll.register(fd, select.EPOLLIN)
+            except OSError:
+                del self._callbacks[fd]
+                os.close(fd)
+                return False
         return True
 
     def _loop(self) -> None:
@@ -170,16 +175,17 @@ class LocalProcess:
                 self._exit_code = self._popen.poll()
         return self._exit_code
 
-    def on_exit(self, callback: Callable[[], None]) -> None:
+    def on_exit(self, callback: Callable[[], None]) -> bool:
         """Call `callback` once the main process has exited, without reaping
         it: the runner learns of the exit at once instead of at its next poll.
         Through the agent-wide exit watcher (a pidfd per child, one thread for
         all of them) where Linux has pidfds, else from a thread of its own,
-        blocked in waitid meanwhile."""
+        blocked in waitid meanwhile. True: the callback will come (the runner
+        need not poll); False: it will not (no waitid), poll."""
         if not hasattr(os, "waitid"):
-            return  # the runner polls
+            return False
         if _EXITS.watch(self.pid, callback):
-            return
+            return True
 
         def watch() -> None:
             with contextlib.suppress(OSError):  # ChildProcessError: reaped already
@@ -187,6 +193,7 @@ class LocalProcess:
             callback()
 
         threading.Thread(target=watch, name=f"exit-{self.pid}", daemon=True).start()
+        return True
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -256,6 +256,11 @@ class AttemptOutcome:
     report: str = ""  # how the control plane learned the outcome ("" = still owed)
 
 
+# The longest a runner waits without looking at its process when the
+# executor wakes it at the exit (`Process.on_exit`): a safety net, not a poll.
+WATCHED_WAIT_S = 5.0
+
+
 class AttemptRunner:
     """Runs one offer: verify → ACK starting → spawn → ACK running → wait → ACK outcome.
 
@@ -702,15 +707,20 @@ class AttemptRunner:
         With a batching ACK sender the `running` ACK waits one poll interval:
         a process that ends sooner is reported with `running` and its outcome
         in one request (`_report`). Its exit wakes this wait at once when the
-        executor tells (`Process.on_exit`); otherwise it is polled."""
+        executor tells (`Process.on_exit` returning True): then nothing is
+        polled, the wait lasts until the exit, a verdict (`cancel` wakes it),
+        the next `running` try or the timeout (at most `WATCHED_WAIT_S`, a
+        safety net); otherwise the process is polled every poll interval."""
         deadline = self.clock() + timeout_s
         backoff = self._backoff()
         first_try = self.clock() + (self.poll_interval_s if self._acks is not None else 0.0)
         next_running_try: float | None = first_try
         on_exit = getattr(process, "on_exit", None)
-        if callable(on_exit):
-            on_exit(self._wake.set)
+        watched = callable(on_exit) and on_exit(self._wake.set) is True
         while True:
+            # Cleared before looking: an exit or a verdict from here on
+            # still ends the wait below.
+            self._wake.clear()
             code = process.poll()
             if code is not None:
                 break
@@ -724,11 +734,12 @@ class AttemptRunner:
                 pause = self._try_running_ack(process, backoff)
                 next_running_try = self.clock() + pause if pause else None
                 continue
-            wait = self.poll_interval_s
+            wait = WATCHED_WAIT_S if watched else self.poll_interval_s
+            if watched:
+                wait = min(wait, max(0.0, deadline - self.clock()))
             if next_running_try is not None:
                 wait = max(0.0, min(wait, next_running_try - self.clock()))
             self._wake.wait(wait)
-            self._wake.clear()
         return process.release(self.stop_grace_s)
 
     def _finish_unstarted(self, outcome: AttemptOutcome) -> AttemptOutcome:

@@ -353,6 +353,60 @@ def test_a_real_childs_exit_wakes_its_runner_at_once(tmp_path: Path) -> None:
     assert [i["phase"] for i in plane.calls[-1][1]["acks"]] == ["running", "succeeded"]
 
 
+class _CountingSpawner:
+    """The real spawner, counting how often the runner looks at its process."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.spawn = ProcessSpawner(workdir)
+        self.polls = 0
+
+    def __call__(self, spec: Mapping[str, Any], *, offer_id: str = "") -> Any:
+        process = self.spawn(spec, offer_id=offer_id)
+        poll = process.poll
+
+        def counted() -> int | None:
+            self.polls += 1
+            return poll()
+
+        process.poll = counted  # type: ignore[method-assign]
+        return process
+
+
+def _run_real(tmp_path: Path, code: str, **spec: Any) -> tuple[Any, _CountingSpawner, float]:
+    plane = Plane()
+    full = {**a_spec(), "command": [sys.executable, "-c", code], "cwd": None, **spec}
+    offer = {"offer_id": OFFER, "spec": full, "spec_sha256": spec_sha256(full)}
+    spawner = _CountingSpawner(tmp_path)
+    runner = AttemptRunner(
+        transport=plane,
+        session_token="s",
+        offer=offer,
+        lease_token=TOKEN,
+        spawn=spawner,
+        acks=AckSender(plane, token="s"),
+        poll_interval_s=0.02,
+        stop_grace_s=1.0,
+    )
+    started = time.monotonic()
+    outcome = runner.run()
+    return outcome, spawner, time.monotonic() - started
+
+
+def test_a_runner_told_of_the_exit_does_not_poll_its_process(tmp_path: Path) -> None:
+    # Issue 12: with the exit watcher, a running Attempt's runner sleeps until
+    # the exit (polling every 0.02 s would look about 60 times in 1.2 s).
+    outcome, spawner, _ = _run_real(tmp_path, "import time; time.sleep(1.2)")
+    assert (outcome.final_phase, outcome.exit_code) == ("succeeded", 0)
+    assert spawner.polls <= 5
+
+
+def test_a_watched_process_past_its_timeout_is_stopped_on_time(tmp_path: Path) -> None:
+    # The long wait is bounded by the timeout, not by the safety net.
+    outcome, _, seconds = _run_real(tmp_path, "import time; time.sleep(30)", timeout_s=1)
+    assert outcome.final_phase == "failed"
+    assert seconds < 4.5
+
+
 def test_on_exit_never_reaps_the_child(tmp_path: Path) -> None:
     spawn = ProcessSpawner(tmp_path)
     process = spawn({**a_spec(), "command": ["true"], "cwd": None}, offer_id=OFFER)
