@@ -63,6 +63,14 @@ def _statuses(outcomes: list[Any]) -> list[ClaimStatus]:
     return [o.status for o in outcomes]
 
 
+def _limited_project(limit: int) -> Project:
+    """A Project whose `max_concurrent_runs` is `limit`."""
+    project = testing.make_project()
+    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=limit)
+    project.max_concurrent_runs = limit
+    return project
+
+
 def _active(session: WorkerSession) -> int:
     return RunLease.objects.filter(session=session, state=LeaseState.ACTIVE).count()
 
@@ -172,8 +180,7 @@ def test_one_pull_id_carries_one_token_within_a_page_too() -> None:
 
 
 def test_quotas_count_the_grants_before_each_request() -> None:
-    project = testing.make_project()
-    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=2)
+    project = _limited_project(2)
     limited = testing.make_task(testing.make_project(), max_concurrent_runs=1)
     session = _session(8)
     in_project = _attempts(3, testing.make_task(project))
@@ -347,8 +354,7 @@ def test_a_session_filled_while_the_page_waited_for_its_lock(
 def test_a_quota_reached_while_the_page_waited_for_its_lock(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    project = testing.make_project()
-    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=2)
+    project = _limited_project(2)
     task = testing.make_task(project)
     session = _session(8)
     rival_attempt, a, b = _attempts(3, task)
@@ -396,8 +402,7 @@ def test_a_limited_page_stamps_its_leases_after_its_limit_locks(
     # claim; meanwhile another lease of the Project ends. The page's leases
     # are stamped after the wait, so `claimed_at` of the lease taking the
     # freed slot is never before `ended_at` of the one that freed it.
-    project = testing.make_project()
-    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=2)
+    project = _limited_project(2)
     task = testing.make_task(project)
     early, rival_attempt, a, b = _attempts(4, task)
     ending = lease_claim(testing.claim_request(early, _session(1))[0])
@@ -434,8 +439,7 @@ def test_a_limited_page_stamps_its_leases_after_its_limit_locks(
 
 
 def test_racing_pages_never_overfill_a_session_or_a_quota() -> None:
-    project = testing.make_project()
-    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=3)
+    project = _limited_project(3)
     task = testing.make_task(project)
     small = _session(2)
     attempts = _attempts(8, task)
@@ -475,8 +479,7 @@ def test_a_page_locks_every_run_and_attempt_in_run_order_then_the_sessions() -> 
 
 
 def test_with_a_limit_a_page_locks_projects_then_tasks_then_sessions() -> None:
-    project = testing.make_project()
-    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=5)
+    project = _limited_project(5)
     task = testing.make_task(project, max_concurrent_runs=5)
     session = _session(2)
     a, b = _attempts(2, task)
@@ -498,8 +501,7 @@ def test_with_a_limit_a_page_locks_projects_then_tasks_then_sessions() -> None:
 
 
 def test_a_page_counts_quotas_exactly_as_leases_quota_does() -> None:
-    project = testing.make_project()
-    Project.objects.filter(pk=project.pk).update(max_concurrent_runs=50)
+    project = _limited_project(50)
     task = testing.make_task(project, max_concurrent_runs=50)
     sibling = testing.make_task(project)
     session = _session(16)
