@@ -139,19 +139,20 @@ class HttpTransport:
         }
         while True:
             connection, reused = self._take()
+            reply: http.client.HTTPResponse | None = None
             try:
                 connection.request("POST", self._prefix + path, body=data, headers=headers)
                 reply = connection.getresponse()
                 raw = reply.read(_MAX_RESPONSE_BYTES)
             except _STALE as err:
-                connection.close()
+                _drop(connection, reply)
                 if reused:
                     # The server had closed this idle connection: nothing was
                     # answered, so the request goes once more on a new one.
                     continue
                 raise TransportError(type(err).__name__) from None
             except (OSError, http.client.HTTPException) as err:
-                connection.close()
+                _drop(connection, reply)
                 # No status: the request may or may not have arrived.
                 raise TransportError(type(err).__name__) from None
             if reply.isclosed() and not reply.will_close:
@@ -159,11 +160,23 @@ class HttpTransport:
             else:
                 # More than we read (an oversized body) or the server's
                 # "Connection: close": this connection carries nothing else.
-                connection.close()
+                _drop(connection, reply)
             if 300 <= reply.status < 400:
                 # A redirect's body is not the control plane's answer.
                 return Response(reply.status, {})
             return Response(reply.status, _parse(raw))
+
+
+def _drop(connection: http.client.HTTPConnection, reply: http.client.HTTPResponse | None) -> None:
+    """Close a connection that carries nothing more, and the answer read on it.
+
+    After a `Connection: close` answer the connection has handed its socket
+    to the answer: closing the connection alone leaves the socket open until
+    the garbage collector finds the answer, in whatever thread that happens
+    (a ResourceWarning, seen in the suite after a 413)."""
+    if reply is not None:
+        reply.close()
+    connection.close()
 
 
 def _close_all(idle: list[tuple[http.client.HTTPConnection, float]]) -> None:

@@ -147,3 +147,46 @@ def test_nothing_listening_is_a_transport_error() -> None:
     server.server_close()
     with pytest.raises(TransportError):
         HttpTransport(f"http://127.0.0.1:{port}").post("/x", {}, token="t" * 43)
+
+
+def test_an_answer_cut_off_mid_body_leaves_no_socket_open() -> None:
+    # The server answers `Connection: close` (the connection hands its socket
+    # to the answer), sends part of the body and resets. The request is a
+    # transport error, and its socket is closed right then — not left open
+    # for as long as the error (whose context holds the answer) lives, then
+    # to the garbage collector in whatever thread (a ResourceWarning, seen in
+    # the suite after a 413).
+    import socket
+    import struct
+    import time
+    from pathlib import Path
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_and_reset() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(
+            b"HTTP/1.1 413 Request Entity Too Large\r\nConnection: close\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"error"'
+        )
+        time.sleep(0.2)  # the client waits in its read of the body
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # RST: the rest of the body never comes
+
+    def open_fds() -> int:
+        return sum(1 for _ in Path("/proc/self/fd").iterdir())
+
+    server = threading.Thread(target=answer_and_reset)
+    server.start()
+    transport = HttpTransport(f"http://127.0.0.1:{port}")
+    try:
+        before = open_fds()
+        with pytest.raises(TransportError) as failed:
+            transport.post("/api/v1/worker/acks", {"acks": []}, token="t")
+        server.join(10)
+        assert failed.value.__context__ is not None  # the error that holds the answer
+        assert open_fds() == before
+    finally:
+        listener.close()
