@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from django.db import OperationalError
 
-from dispatch.core.ports import ClaimStatus
+from dispatch.core.ports import ClaimRequest, ClaimStatus
 from leases import claim as claim_module
 from leases.claim import lease_claim_many
 from leases.models import LeaseState, RunLease
@@ -32,12 +32,17 @@ def _deadlock() -> OperationalError:
     return err
 
 
-def test_a_page_aborted_by_a_deadlock_is_claimed_request_by_request(monkeypatch: Any) -> None:
+def _page(size: int) -> tuple[list[Attempt], list[ClaimRequest]]:
+    """`size` pending Attempts and their claim requests for one Session of 8 slots."""
     worker, _ = testing.make_worker(slots=8)
     session = testing.open_session(worker).session
     task = testing.make_task()
-    attempts = [testing.pending_attempt(testing.make_run(task)) for _ in range(3)]
-    requests = [testing.claim_request(a, session)[0] for a in attempts]
+    attempts = [testing.pending_attempt(testing.make_run(task)) for _ in range(size)]
+    return attempts, [testing.claim_request(a, session)[0] for a in attempts]
+
+
+def test_a_page_aborted_by_a_deadlock_is_claimed_request_by_request(monkeypatch: Any) -> None:
+    attempts, requests = _page(3)
     real_page = claim_module._claim_page
     calls = []
 
@@ -62,11 +67,7 @@ def test_a_page_aborted_by_a_deadlock_is_claimed_request_by_request(monkeypatch:
 
 
 def test_other_database_errors_still_fail_the_page(monkeypatch: Any) -> None:
-    worker, _ = testing.make_worker(slots=8)
-    session = testing.open_session(worker).session
-    task = testing.make_task()
-    attempts = [testing.pending_attempt(testing.make_run(task)) for _ in range(2)]
-    requests = [testing.claim_request(a, session)[0] for a in attempts]
+    attempts, requests = _page(2)
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise OperationalError("the server closed the connection")
