@@ -6,28 +6,45 @@ process group) for the journal. The child carries the `QL_OFFER_ID` marker and,
 on Linux, dies with the agent's runner thread (PR_SET_PDEATHSIG) — a courtesy:
 the journal's reconcile at start is what guarantees no orphan outlives a
 restart (docs/adr/0008).
+
+The parent-death signal is set by util-linux's `setpriv --pdeathsig KILL`,
+which then execs the spec's command in the same process: with no
+`preexec_fn`, `subprocess` spawns with `vfork`, where a `fork` of the whole
+agent process (its page tables copied, then torn down by the exec) cost
+more CPU than everything else of a short Attempt (issue 12). Where setpriv
+is missing or too old, a `preexec_fn` sets the signal instead (`fork`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import functools
 import os
 import select
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from workers.agent import procfs
 from workers.agent.protocol import SpecRefused, clean_output_tail
 
-__all__ = ["LocalProcess", "ProcessSpawner", "parent_death_signal", "resolve_cwd"]
+__all__ = [
+    "LocalProcess",
+    "ProcessSpawner",
+    "parent_death_signal",
+    "parent_death_wrapper",
+    "resolve_cwd",
+]
 
 # The child gets the spec's env over a minimal base, never the agent's whole
 # environment (which may hold the agent's own secrets).
@@ -60,6 +77,63 @@ def parent_death_signal() -> Callable[[], None] | None:
             kill(getpid(), sigkill)
 
     return _die_with_the_agent
+
+
+@functools.cache
+def parent_death_wrapper() -> tuple[str, ...] | None:
+    """`setpriv --pdeathsig KILL --`: the argv prefix that sets the child's
+    parent-death signal and execs the command, or None where util-linux's
+    setpriv is missing or has no `--pdeathsig` (before 2.33). Asked once:
+    setpriv runs itself (`--version`) under the option, so a setpriv that
+    lacks it, or a kernel or sandbox that refuses the prctl, is found out
+    before any job depends on it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    path = shutil.which("setpriv")
+    if path is None:
+        return None
+    prefix = (path, "--pdeathsig", "KILL", "--")
+    try:
+        probe = subprocess.run(
+            [*prefix, path, "--version"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return prefix if probe.returncode == 0 else None
+
+
+def _check_program(name: str, *, env: Mapping[str, str], cwd: str) -> None:
+    """Raise what exec would (FileNotFoundError, PermissionError) when `name`
+    names no program the child can run, before any process exists: behind
+    setpriv, a missing program would otherwise be setpriv's exit code 127
+    instead of a `spawn_failed`. The same search as the exec: a name with a
+    slash from the cwd, else each directory of the child's PATH in order."""
+    if not name:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+    # Strings, not Path objects: this runs before every spawn.
+    if "/" in name:
+        candidates = [os.path.join(cwd, name)]  # noqa: PTH118
+    else:
+        folders = os.get_exec_path(env)
+        candidates = [os.path.join(cwd, folder, name) for folder in folders]  # noqa: PTH118
+    denied = False
+    for candidate in candidates:
+        try:
+            mode = os.stat(candidate).st_mode  # noqa: PTH116
+        except OSError:
+            continue  # not there (or not reachable): the next directory
+        if not stat.S_ISDIR(mode) and os.access(candidate, os.X_OK):
+            return
+        denied = True
+    if denied:
+        raise PermissionError(errno.EACCES, "Permission denied")
+    raise FileNotFoundError(errno.ENOENT, "No such file or directory")
 
 
 def _exit_status(result: os.waitid_result) -> int:
@@ -272,7 +346,11 @@ def resolve_cwd(workdir: Path, cwd: object) -> Path:
     and whatever lands outside the work directory is refused
     (`cwd_outside_workdir`), never run.
     """
-    base = workdir.resolve()
+    return _resolve_in(workdir.resolve(), cwd)
+
+
+def _resolve_in(base: Path, cwd: object) -> Path:
+    """`resolve_cwd` under a work directory resolved already."""
     if cwd is None:
         return base
     if not isinstance(cwd, str) or not cwd or "\x00" in cwd:
@@ -288,22 +366,50 @@ def resolve_cwd(workdir: Path, cwd: object) -> Path:
 
 
 class ProcessSpawner:
-    def __init__(self, workdir: Path) -> None:
+    """Spawns a spec's command as a `LocalProcess`.
+
+    The work directory is resolved once, here: a spec without a cwd runs in
+    it without a path lookup per spawn (a spec's own cwd is still resolved
+    and checked at each spawn, symlinks and all). `setpriv=False`: the
+    parent-death signal from a `preexec_fn` even where setpriv has it (the
+    fallback's tests).
+    """
+
+    def __init__(self, workdir: Path, *, setpriv: bool = True) -> None:
         self.workdir = workdir
-        self._preexec = parent_death_signal()
+        self._base = workdir.resolve()
+        self._wrapper: Sequence[str] = ()
+        self._preexec: Callable[[], None] | None = None
+        wrapper = parent_death_wrapper() if setpriv else None
+        if wrapper is not None:
+            self._wrapper = wrapper
+        else:
+            self._preexec = parent_death_signal()
+
+    @property
+    def uses_vfork(self) -> bool:
+        """Whether children are spawned without a `preexec_fn` (so by vfork)."""
+        return self._preexec is None
 
     def __call__(self, spec: Mapping[str, Any], *, offer_id: str = "") -> LocalProcess:
         command = [str(part) for part in spec["command"]]
-        cwd = resolve_cwd(self.workdir, spec.get("cwd"))
+        cwd = _resolve_in(self._base, spec.get("cwd"))
         env = {key: os.environ[key] for key in _BASE_ENV if key in os.environ}
         env.update({str(k): str(v) for k, v in dict(spec.get("env") or {}).items()})
         if offer_id:
             # Last, over the spec's env: how a restarted agent finds this
             # execution's processes (procfs), whatever became of their pids.
             env[procfs.MARKER_ENV] = offer_id
+        if self._wrapper:
+            if not command:
+                raise ValueError("empty command")
+            # setpriv execs the command itself: what it could not find or
+            # run would be its exit code, not a refused spawn.
+            _check_program(command[0], env=env, cwd=str(cwd))
+            command = [*self._wrapper, *command]
         output = tempfile.TemporaryFile()  # noqa: SIM115  (closed by LocalProcess.close)
         try:
-            # preexec_fn: one prctl call, see parent_death_signal.
+            # No preexec_fn where setpriv sets the parent-death signal: vfork.
             popen = subprocess.Popen(
                 command,
                 cwd=cwd,
