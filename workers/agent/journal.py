@@ -8,7 +8,10 @@ agent acts on it:
         └───────────────── (refused, not started, stopped) ───────────▶ finished / reported
 
 `spawning` is the crash barrier: no process is ever started without it, so a
-journal without `spawning` for an offer proves nothing of it ran. `running`
+journal without `spawning` for an offer proves nothing of it ran. It implies
+`started`: an offer that goes on to its spawn right after the starting ACK
+is accepted is written `spawning` at once (one commit, not two); `started`
+is written alone only for one stopped before its spawn. `running`
 holds the pid, its start time (/proc/<pid>/stat field 22) and the process
 group, so a restarted agent can tell its own orphan from a process that got the
 pid later. `finished` holds the outcome; `reported` means the control plane has
@@ -293,7 +296,8 @@ class Journal:
         self._update(offer_id, "phase = ?", Phase.STARTED)
 
     def mark_spawning(self, offer_id: str) -> None:
-        """The crash barrier: written (committed) before the spawn."""
+        """The crash barrier: written (committed) before the spawn. Implies
+        `started` (the runner writes it straight after the starting ACK)."""
         self._update(offer_id, "phase = ?", Phase.SPAWNING)
 
     def mark_running(

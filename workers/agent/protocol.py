@@ -571,18 +571,21 @@ class AttemptRunner:
         except Abandoned:
             self._finish(Outcome.NOT_STARTED)
             raise
-        self.journal.mark_started(self.offer_id)
-        self._set_phase(Phase.STARTED)
+        stopped = self.stop.is_set()
+        if stopped:
+            self.journal.mark_started(self.offer_id)
+        else:
+            # Started, and the crash barrier, in one write: committed before
+            # the process can exist (`spawning` implies `started`).
+            self.journal.mark_spawning(self.offer_id)
         self.starting_answered.set()
-        if self.stop.is_set():
+        self._set_phase(Phase.STARTED if stopped else Phase.SPAWNING)
+        if stopped:
             if self.abandoned.is_set():
                 self._finish(Outcome.NOT_STARTED)
                 raise Abandoned(self.abandon_reason)
             return self._finish_unstarted(outcome)
         spec = self.offer["spec"]
-        # The crash barrier: committed before the process can exist.
-        self.journal.mark_spawning(self.offer_id)
-        self._set_phase(Phase.SPAWNING)
         try:
             process = self.spawn(spec, offer_id=self.offer_id)
         except SpecRefused as err:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,14 @@ from workers.agent.journal import (
     StateDirError,
     default_state_dir,
 )
-from workers.tests.test_agent import a_spec
+from workers.agent.protocol import CANCELLED, AttemptRunner, Response
+from workers.tests.test_agent import (
+    FakeProcess,
+    FakeSpawner,
+    FakeTransport,
+    a_spec,
+    an_offer,
+)
 
 linux_only = pytest.mark.skipif(not procfs.procfs_available(), reason="needs Linux /proc")
 
@@ -378,3 +386,82 @@ def test_the_parent_death_signal_is_set_in_the_child(tmp_path: Path) -> None:
     tail = process.output_tail(100)
     process.close()
     assert tail.strip() == str(int(signal.SIGKILL))
+
+
+# ------------------------------------------------------------ writes per Attempt
+
+
+def _journal_writes(journal: Journal) -> list[str]:
+    """Every statement that writes the journal, as SQLite runs it."""
+    writes: list[str] = []
+    journal._db.set_trace_callback(
+        lambda sql: writes.append(sql) if sql.startswith(("INSERT", "UPDATE")) else None
+    )
+    return writes
+
+
+def _phases(writes: list[str]) -> list[str]:
+    return [
+        "offer" if sql.startswith("INSERT") else sql.split("phase = '", 1)[1].split("'", 1)[0]
+        for sql in writes
+    ]
+
+
+def test_an_attempt_that_runs_is_five_journal_writes_spawning_implying_started() -> None:
+    # The offer, `spawning` straight after the accepted starting ACK (the
+    # crash barrier, which implies `started`), `running` with the pid, the
+    # outcome, `reported`: five commits, in this order, none skipped.
+    journal = Journal.memory()
+    writes = _journal_writes(journal)
+    offer = an_offer(a_spec(command=["true"]))
+    journal.record_offer(
+        offer_id=offer["offer_id"], spec_sha256=offer["spec_sha256"], lease_token=TOKEN,
+        session_id="s1",
+    )  # fmt: skip
+    phases_at_spawn: list[Phase | None] = []
+    spawner = FakeSpawner(FakeProcess(), [])
+
+    def spawn(spec: Any, *, offer_id: str = "") -> FakeProcess:
+        execution = journal.get(offer_id)
+        phases_at_spawn.append(execution.phase if execution else None)
+        return spawner(spec, offer_id=offer_id)
+
+    runner = AttemptRunner(
+        transport=FakeTransport(), session_token="s" * 43, offer=offer, lease_token=TOKEN,
+        spawn=spawn, journal=journal, poll_interval_s=0.01,
+    )  # fmt: skip
+    outcome = runner.run()
+    assert (outcome.ran, outcome.final_phase) == (True, "succeeded")
+    assert phases_at_spawn == [Phase.SPAWNING]
+    assert _phases(writes) == ["offer", "spawning", "running", "finished", "reported"]
+
+
+def test_an_attempt_stopped_before_its_spawn_is_journaled_started_then_not_started() -> None:
+    # Cancelled while its starting ACK was answered: `started` (the control
+    # plane knows it), never `spawning` (nothing ran), then the outcome.
+    journal = Journal.memory()
+    offer = an_offer(a_spec(command=["true"]))
+    journal.record_offer(
+        offer_id=offer["offer_id"], spec_sha256=offer["spec_sha256"], lease_token=TOKEN,
+        session_id="s1",
+    )  # fmt: skip
+    writes = _journal_writes(journal)
+    spawner = FakeSpawner(FakeProcess(), [])
+    runner: AttemptRunner
+
+    class CancelOnStarting(FakeTransport):
+        def post(self, path: str, body: Any, *, token: str) -> Response:
+            if body.get("phase") == "starting":
+                runner.cancel(CANCELLED)
+            return super().post(path, body, token=token)
+
+    runner = AttemptRunner(
+        transport=CancelOnStarting(), session_token="s" * 43, offer=offer, lease_token=TOKEN,
+        spawn=spawner, journal=journal, poll_interval_s=0.01,
+    )  # fmt: skip
+    outcome = runner.run()
+    assert spawner.specs == []
+    assert outcome.ran is False
+    assert _phases(writes) == ["started", "finished", "reported"]
+    execution = journal.get(offer["offer_id"])
+    assert execution is not None and execution.outcome is Outcome.NOT_STARTED
