@@ -12,6 +12,7 @@ cProfile of every thread of the agent (CPU time) and its top functions.
 
     .venv/bin/python bench/agent_cost.py --runs 600 --slots 16
     .venv/bin/python bench/agent_cost.py --runs 300 --profile
+    .venv/bin/python bench/agent_cost.py --runs 600 --no-setpriv  # the fork fallback
 
 No database, no network: runs anywhere the agent does.
 """
@@ -137,7 +138,9 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(runs: int, slots: int, poll: float, *, profile: bool) -> dict[str, Any]:
+def measure(
+    runs: int, slots: int, poll: float, *, profile: bool, setpriv: bool = True
+) -> dict[str, Any]:
     plane = Plane(runs)
     state = Path(tempfile.mkdtemp(prefix="ql-agent-cost-"))
     journal = Journal.open(state / "state")
@@ -148,7 +151,7 @@ def measure(runs: int, slots: int, poll: float, *, profile: bool) -> dict[str, A
         credential="credential",
         slots=slots,
         executor="process",
-        spawn=ProcessSpawner(workdir),
+        spawn=ProcessSpawner(workdir, setpriv=setpriv),
         journal=journal,
         poll_interval_s=poll,
     )
@@ -215,15 +218,25 @@ def main() -> int:
     parser.add_argument("--poll-interval", type=float, default=0.05)
     parser.add_argument("--repeat", type=int, default=3, help="measurements (min and median)")
     parser.add_argument("--profile", action="store_true", help="cProfile every agent thread")
+    parser.add_argument(
+        "--no-setpriv",
+        dest="setpriv",
+        action="store_false",
+        help="spawn as where setpriv is missing (preexec_fn, fork) instead of by vfork",
+    )
     args = parser.parse_args()
     if args.profile:
-        report = measure(args.runs, args.slots, args.poll_interval, profile=True)
+        report = measure(
+            args.runs, args.slots, args.poll_interval, profile=True, setpriv=args.setpriv
+        )
         print(report.pop("profile"))
         print(report)
         return 0
     cpus, kids, rates = [], [], []
     for _ in range(args.repeat):
-        report = measure(args.runs, args.slots, args.poll_interval, profile=False)
+        report = measure(
+            args.runs, args.slots, args.poll_interval, profile=False, setpriv=args.setpriv
+        )
         if not report["finished"]:
             print("not every Run ended:", report, file=sys.stderr)
             return 1
