@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -117,11 +117,12 @@ def _check_program(name: str, *, env: Mapping[str, str], cwd: str) -> None:
     if not name:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory")
     # Strings, not Path objects: this runs before every spawn.
+    candidates: Iterable[str]
     if "/" in name:
-        candidates = [os.path.join(cwd, name)]  # noqa: PTH118
+        candidates = (os.path.join(cwd, name),)  # noqa: PTH118
     else:
         folders = os.get_exec_path(env)
-        candidates = [os.path.join(cwd, folder, name) for folder in folders]  # noqa: PTH118
+        candidates = (os.path.join(cwd, folder, name) for folder in folders)  # noqa: PTH118
     denied = False
     for candidate in candidates:
         try:
