@@ -223,3 +223,24 @@ def test_a_setpriv_without_pdeathsig_falls_back_too(
     old.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert parent_death_wrapper.__wrapped__() is None
+
+
+@linux_only
+@both_ways
+def test_the_job_runs_with_the_agents_credentials_unchanged(tmp_path: Path, setpriv: bool) -> None:
+    # setpriv here only sets the parent-death signal: ids, groups,
+    # capabilities, no_new_privs and seccomp are the agent's own.
+    fields = ("Uid:", "Gid:", "Groups:", "Cap", "NoNewPrivs:", "Seccomp:")
+
+    def wanted(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith(fields)]
+
+    process = ProcessSpawner(tmp_path, setpriv=setpriv)(
+        a_spec(command=["cat", "/proc/self/status"])
+    )
+    assert process.wait(timeout=30) == 0
+    process.release(grace_s=0)
+    child = wanted(process.output_tail(64 * 1024))
+    process.close()
+    assert len(child) >= 8
+    assert child == wanted(Path("/proc/self/status").read_text())
