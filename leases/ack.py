@@ -26,6 +26,7 @@ from django.db import connection, transaction
 from dispatch.core.offer import token_digest, tokens_equal
 from dispatch.core.policy import spec_matches_lease
 from leases import policy
+from leases.ack_statement import ack_in_one_statement, decides_in_one_statement
 from leases.end import attempt_finish
 from leases.errors import (
     IllegalTransition,
@@ -146,12 +147,42 @@ def lease_ack(
 ) -> AckResult:
     """Apply one Worker ACK as a compare-and-set; a repeat of the same phase is a no-op.
 
-    Two statements on PostgreSQL (docs/adr/0011): the lease's rows locked in
+    On PostgreSQL, outside a transaction, a `starting`, `running` or
+    `succeeded` (no output tail) is first tried as one statement in
+    autocommit (`leases.ack_statement`): it applies the ACK when every check
+    below passes on the rows it locked and otherwise writes nothing, and the
+    path below decides. That path is two statements in a transaction on
+    PostgreSQL (docs/adr/0011): the lease's rows locked in
     one (`leases.locks.lock_lease_for_ack`, found by offer id and this
     Session together, so another Session's request locks nothing), and the
     phase's writes in one (`leases.writes`). A failed start or run (retry
     policy) and the end of a cancelled Run go through `leases.end.attempt_finish`.
     """
+    if decides_in_one_statement(phase, output_tail=output_tail) and _outside_transactions():
+        try:
+            done = ack_in_one_statement(
+                session=session,
+                offer_id=offer_id,
+                phase=phase,
+                lease_token=lease_token,
+                spec_sha256=spec_sha256,
+                executor_handle=executor_handle,
+                exit_code=exit_code,
+                error_code=error_code,
+            )
+        except LostRace:
+            LOST_RACES.labels(operation="ack").inc()
+            raise _lost_race() from None
+        if done is not None:
+            _log_applied_ids(done.lease_id, phase, done.attempt_state)
+            return AckResult(
+                offer_id=offer_id,
+                attempt_state=done.attempt_state,
+                run_state=done.run_state,
+                cancel_requested=done.cancel_requested,
+                outcome=Outcome.APPLIED,
+            )
+        # Not applied, nothing written: the portable path decides and answers.
     item = AckItem(
         offer_id=offer_id,
         phase=phase,
@@ -192,6 +223,15 @@ class AckItem:
     output_tail: str = ""
 
 
+def _outside_transactions() -> bool:
+    """No transaction of the caller's is open: the one statement is its own.
+
+    Django's own rule for `atomic(durable=True)`: a test case's transactions
+    (`TestCase`) do not count, so the path below raises where this is false.
+    """
+    return all(getattr(block, "_from_testcase", False) for block in connection.atomic_blocks)
+
+
 def _illegal(phase: AckPhase, err: IllegalTransition) -> LeaseConflict:
     return LeaseConflict(f"{phase} is not allowed after {err.from_state}", code="illegal_phase")
 
@@ -201,15 +241,19 @@ def _lost_race() -> LeaseConflict:
 
 
 def _log_applied(chain: LeaseChain, phase: AckPhase) -> None:
+    _log_applied_ids(chain.lease.pk, phase, chain.attempt.state)
+
+
+def _log_applied_ids(lease_id: int, phase: AckPhase, attempt_state: str) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return  # nothing to build for a line nobody writes
     logger.info(
         "lease ack",
         extra={
             "event": "lease_ack",
-            "lease_id": chain.lease.pk,
+            "lease_id": lease_id,
             "phase": str(phase),
-            "attempt_state": chain.attempt.state,
+            "attempt_state": attempt_state,
         },
     )
 
