@@ -13,6 +13,7 @@ rendered from it, so neither can drift from the use case.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,7 +27,11 @@ from django.db import connection, transaction
 from dispatch.core.offer import token_digest, tokens_equal
 from dispatch.core.policy import spec_matches_lease
 from leases import policy
-from leases.ack_statement import ack_in_one_statement, decides_in_one_statement
+from leases.ack_statement import (
+    OneStatementAck,
+    ack_in_one_statement,
+    decides_in_one_statement,
+)
 from leases.end import attempt_finish
 from leases.errors import (
     IllegalTransition,
@@ -37,7 +42,7 @@ from leases.errors import (
     LostRace,
     Outcome,
 )
-from leases.locks import LeaseChain, lock_lease_for_ack, lock_leases_for_acks
+from leases.locks import LeaseChain, lock_lease_for_ack, lock_leases_of_acks
 from leases.models import LeaseState, RunLease
 from leases.timeout import attempt_overdue
 from leases.transitions import AttemptReport, lease_transition
@@ -158,31 +163,6 @@ def lease_ack(
     phase's writes in one (`leases.writes`). A failed start or run (retry
     policy) and the end of a cancelled Run go through `leases.end.attempt_finish`.
     """
-    if decides_in_one_statement(phase, output_tail=output_tail) and _outside_transactions():
-        try:
-            done = ack_in_one_statement(
-                session=session,
-                offer_id=offer_id,
-                phase=phase,
-                lease_token=lease_token,
-                spec_sha256=spec_sha256,
-                executor_handle=executor_handle,
-                exit_code=exit_code,
-                error_code=error_code,
-            )
-        except LostRace:
-            LOST_RACES.labels(operation="ack").inc()
-            raise _lost_race() from None
-        if done is not None:
-            _log_applied_ids(done.lease_id, phase, done.attempt_state)
-            return AckResult(
-                offer_id=offer_id,
-                attempt_state=done.attempt_state,
-                run_state=done.run_state,
-                cancel_requested=done.cancel_requested,
-                outcome=Outcome.APPLIED,
-            )
-        # Not applied, nothing written: the portable path decides and answers.
     item = AckItem(
         offer_id=offer_id,
         phase=phase,
@@ -193,6 +173,16 @@ def lease_ack(
         error_code=error_code,
         output_tail=output_tail,
     )
+    if _outside_transactions():
+        try:
+            done = _in_one_statement(item, session=session)
+        except LostRace:
+            LOST_RACES.labels(operation="ack").inc()
+            raise _lost_race() from None
+        if done is not None:
+            _log_applied_ids(done.lease_id, phase, done.attempt_state)
+            return _answer(offer_id, done)
+        # Not applied, nothing written: the portable path decides and answers.
     try:
         with transaction.atomic(durable=True):
             chain = lock_lease_for_ack(offer_id=offer_id, session_pk=session.pk)
@@ -221,6 +211,35 @@ class AckItem:
     exit_code: int | None = None
     error_code: str = ""
     output_tail: str = ""
+
+
+def _in_one_statement(
+    item: AckItem, *, session: WorkerSession, now: datetime | None = None
+) -> OneStatementAck | None:
+    """`leases.ack_statement`: the ACK applied in one statement, or None (nothing written)."""
+    if not decides_in_one_statement(item.phase, output_tail=item.output_tail):
+        return None
+    return ack_in_one_statement(
+        session=session,
+        offer_id=item.offer_id,
+        phase=item.phase,
+        lease_token=item.lease_token,
+        spec_sha256=item.spec_sha256,
+        executor_handle=item.executor_handle,
+        exit_code=item.exit_code,
+        error_code=item.error_code,
+        now=now,
+    )
+
+
+def _answer(offer_id: str, done: OneStatementAck) -> AckResult:
+    return AckResult(
+        offer_id=offer_id,
+        attempt_state=done.attempt_state,
+        run_state=done.run_state,
+        cancel_requested=done.cancel_requested,
+        outcome=Outcome.APPLIED,
+    )
 
 
 def _outside_transactions() -> bool:
@@ -314,11 +333,14 @@ def lease_ack_each(
     nothing and stops no other (docs/adr/0013).
 
     On PostgreSQL the ACKs share one transaction: every lease's rows locked in
-    one statement in the lock order (`leases.locks.lock_leases_for_acks`: all
+    one statement in the lock order (`leases.locks.lock_leases_of_acks`: all
     Runs and Attempts sorted by Run id, then the Session, then the leases
     sorted by id — never one lease's Session before another's Run), then each
-    ACK's checks and writes, then one commit. A refusal is decided before its
-    ACK writes anything. Should an ACK fail among its writes (a lost race,
+    ACK's checks and writes, then one commit. Each ACK is first tried as one
+    statement (`leases.ack_statement`, under the locks already held); one it
+    does not apply is decided on its rows read again (`lock_lease_for_ack`,
+    which takes no new lock) by the checks of a single ACK. A refusal is
+    decided before its ACK writes anything. Should an ACK fail among its writes (a lost race,
     which the locks exclude, or an illegal transition an ending through
     `attempt_finish` finds after its first write), the whole transaction rolls
     back and every ACK is applied again on its own, as on SQLite (which
@@ -336,8 +358,8 @@ def lease_ack_each(
         LOST_RACES.labels(operation="ack").inc()
         yield from _each_alone(session, items)
         return
-    for chain, phase in applied:
-        _log_applied(chain, phase)
+    for lease_id, phase, attempt_state in applied:
+        _log_applied_ids(lease_id, phase, attempt_state)
     yield from answers
 
 
@@ -362,18 +384,35 @@ def _writes_in_steps(item: AckItem, chain: LeaseChain) -> bool:
 
 def _all_in_one_transaction(
     session: WorkerSession, items: Sequence[AckItem]
-) -> tuple[list[AckResult | LeaseError], list[tuple[LeaseChain, AckPhase]]]:
+) -> tuple[list[AckResult | LeaseError], list[tuple[int, AckPhase, str]]]:
     answers: list[AckResult | LeaseError] = []
-    applied: list[tuple[LeaseChain, AckPhase]] = []
+    applied: list[tuple[int, AckPhase, str]] = []  # (lease id, phase, Attempt state)
+    # Read only for an ACK the one statement leaves to the checks below, and
+    # kept while nothing but `_apply` (which updates them) writes their rows.
+    chains: dict[str, LeaseChain] = {}
     with transaction.atomic(durable=True):
-        chains = lock_leases_for_acks(
+        # Every ACK of the batch is decided at the clock its locks were taken at.
+        found, now = lock_leases_of_acks(
             offer_ids=[item.offer_id for item in items], session_pk=session.pk
         )
         for item in items:
-            chain = chains.get(item.offer_id)
-            if chain is None:
+            if item.offer_id not in found:
                 answers.append(_refused(item.offer_id, session))
                 continue
+            try:
+                done = _in_one_statement(item, session=session, now=now)
+            except LostRace:
+                raise _Unsure from None
+            if done is not None:
+                chains.pop(item.offer_id, None)  # its rows changed
+                applied.append((done.lease_id, item.phase, done.attempt_state))
+                answers.append(_answer(item.offer_id, done))
+                continue
+            chain = chains.get(item.offer_id)
+            if chain is None:
+                chain = lock_lease_for_ack(offer_id=item.offer_id, session_pk=session.pk)
+                assert chain is not None  # locked above, by this transaction
+                chain = chains[item.offer_id] = dataclasses.replace(chain, now=now)
             try:
                 outcome = _ack_in_chain(chain, item, session=session)
             except LeaseError as err:
@@ -387,7 +426,7 @@ def _all_in_one_transaction(
             except LostRace:
                 raise _Unsure from None
             if outcome is Outcome.APPLIED:
-                applied.append((chain, item.phase))
+                applied.append((chain.lease.pk, item.phase, chain.attempt.state))
             answers.append(_result(item.offer_id, chain.attempt, chain.run, outcome))
     return answers, applied
 

@@ -42,11 +42,13 @@ import hashlib
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Final
 
 from django.db import connection
 from django.utils import timezone
 
+from dispatch.core.offer import token_digest
 from leases import policy
 from leases.errors import LostRace
 from leases.models import LeaseState, RunLease
@@ -248,7 +250,8 @@ def _sql(phase: str) -> str:
                    l.id AS l_id, l.state AS l_state, l.version AS l_version,
                    l.lease_generation AS l_gen, l.session_generation AS l_sgen,
                    l.expires_at AS l_expires, l.token_digest AS l_token,
-                   l.spec_digest AS l_spec, statement_timestamp() AS now
+                   l.spec_digest AS l_spec,
+                   COALESCE(%s::timestamptz, statement_timestamp()) AS now
             FROM {run} r, {revision} v, {attempt} a, {session} s, {lease} l
             WHERE l.offer_id = %s::varchar AND l.session_id = %s::bigint
               AND r.id = l.run_id AND v.id = r.task_revision_id
@@ -274,20 +277,24 @@ def ack_in_one_statement(
     executor_handle: str = "",
     exit_code: int | None = None,
     error_code: str = "",
+    now: datetime | None = None,
 ) -> OneStatementAck | None:
     """Apply one ACK in one statement, or write nothing and return None.
 
     None: the lease was not found for this Session, or a check failed, or a
     row changed between the statement's snapshot and its locks — the caller
-    takes the portable path, which decides and answers. Outside a
-    transaction only (the statement is its own); `decides_in_one_statement`
-    says which ACKs may come here. Raises `LostRace` only should a write
-    after the Attempt's touch no row, which the locks and `fresh` exclude.
+    takes the portable path, which decides and answers. Alone, the statement
+    is its own transaction; in a batch's (`lease_ack_each`), under the locks
+    it already holds, with `now` the clock those locks were taken at (else
+    the statement's). `decides_in_one_statement` says which ACKs may come
+    here. Raises `LostRace` only should a write after the Attempt's touch no
+    row, which the locks and `fresh` exclude.
     """
     shape = _PHASES[phase]
     salt = secrets.token_hex(16)
-    digest = hashlib.sha256(lease_token.encode("utf-8")).hexdigest()  # token_digest
+    digest = token_digest(lease_token)
     params: list[Any] = [
+        now,
         offer_id,
         session.pk,
         salt,
