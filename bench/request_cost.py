@@ -41,6 +41,14 @@ an ACK request (`running` and the outcome travel together for short jobs);
 the `per Run` line adds a claiming pull and the three ACK requests of 8
 Runs, divided by 8.
 
+`--server gunicorn` sends the same requests over HTTP (one keep-alive
+connection, as an agent's) to gunicorn started with qinglong/gunicorn.conf.py
+and one worker process: what the web tier really pays per request, socket,
+HTTP parsing and gunicorn's threads included. The CPU is then the worker
+process's (from /proc, clock ticks, so means over the rounds only, no
+medians) and the PostgreSQL figure the sum over the backends of the bench
+database but this process's own.
+
 `--profile N` then runs N more rounds under cProfile and prints, per kind,
 where the time goes by package (own time of the functions of each: the
 lease and dispatch code, the ORM, psycopg, DRF, Django's middleware, JSON,
@@ -52,27 +60,35 @@ from __future__ import annotations
 
 import argparse
 import functools
+import http.client
 import json
 import os
 import pstats
 import secrets
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 # bench/ is sys.path[0] when this file runs as a script.
 from _measure import (
+    ROOT,
     Measure,
+    Round,
     Samples,
     Wsgi,
     admin,
     db_url,
     django_setup,
     log,
+    pid_cpu,
     profile_rounds,
     warm_then_measure,
     where,
@@ -101,10 +117,112 @@ def _env(base: str, cache: str, log_level: str) -> dict[str, str]:
     }
 
 
+class Transport(Protocol):
+    def post(self, path: str, body: Any, headers: Mapping[str, str]) -> tuple[int, Any]: ...
+
+
+class Http:
+    """POSTs over one keep-alive HTTP connection, as the reference agent does."""
+
+    def __init__(self, port: int) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def post(self, path: str, body: Any, headers: Mapping[str, str]) -> tuple[int, Any]:
+        raw = json.dumps(body).encode()
+        # WSGI `HTTP_FOO_BAR` keys back to header names.
+        sent = {key[5:].replace("_", "-").title(): value for key, value in headers.items()}
+        sent |= {"Content-Type": "application/json", "Accept": "application/json"}
+        self.connection.request("POST", path, body=raw, headers=sent)
+        answer = self.connection.getresponse()
+        payload = answer.read()
+        return answer.status, json.loads(payload) if payload else None
+
+
+class Gunicorn:
+    """gunicorn with qinglong/gunicorn.conf.py, one worker process, in its own
+    process group (stopped with it, however the bench ends)."""
+
+    def __init__(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        env = {**os.environ, "QL_WEB_BIND": f"127.0.0.1:{self.port}", "QL_WEB_WORKERS": "1"}
+        config = str(ROOT / "qinglong" / "gunicorn.conf.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "-c", config],
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while not self._worker_pids():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("gunicorn did not start")
+            time.sleep(0.1)
+        self.worker = self._worker_pids()[0]
+
+    def _worker_pids(self) -> list[int]:
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        try:
+            return [int(pid) for pid in children.read_text().split()]
+        except OSError:
+            return []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _backends_cpu(own: int) -> float:
+    """CPU seconds so far of every backend of the bench database but `own`."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> %s", [BENCH_DB, own]
+        )
+        pids = [int(pid) for (pid,) in cursor.fetchall()]
+    total = 0.0
+    for pid in pids:
+        try:
+            total += pid_cpu(pid)
+        except OSError:  # pragma: no cover - a backend that just ended
+            continue
+    return total
+
+
+def measure_server_rounds(each_round: Round, rounds: int, server: Gunicorn) -> Samples:
+    """As `_measure.measure_rounds`, but the CPU is the gunicorn worker's and the
+    PostgreSQL backends' (a backend that ends inside a call loses its share)."""
+    from django.db import connection
+
+    connection.ensure_connection()
+    own = connection.connection.info.backend_pid
+    samples: Samples = defaultdict(lambda: {"cpu": [], "wall": [], "pg": []})
+
+    def measure(kind: str, call: Callable[[], None]) -> None:
+        pg = _backends_cpu(own)
+        cpu, wall = pid_cpu(server.worker), time.perf_counter()
+        call()
+        samples[kind]["wall"].append(time.perf_counter() - wall)
+        samples[kind]["cpu"].append(pid_cpu(server.worker) - cpu)
+        samples[kind]["pg"].append(_backends_cpu(own) - pg)
+
+    for _ in range(rounds):
+        each_round(measure)
+    return samples
+
+
 class Bench:
     """One Session of 8 slots and the requests of its agent."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: Transport | None = None) -> None:
         from runs.services import project_create, task_create
         from workers.services import session_open, worker_enroll
 
@@ -124,7 +242,7 @@ class Bench:
             slots=SLOTS,
             agent_version="bench",
         ).token
-        self.wsgi = Wsgi()
+        self.transport = transport or Wsgi()
         self.headers = {
             "HTTP_AUTHORIZATION": f"Bearer {self.token}",
             "HTTP_USER_AGENT": "qinglong-agent/bench",
@@ -139,7 +257,7 @@ class Bench:
             run_enqueue(task=self.task)
 
     def _post(self, path: str, body: Any, *, expect: int = 200) -> Any:
-        code, answer = self.wsgi.post(f"{WORKER_API}/{path}", body, self.headers)
+        code, answer = self.transport.post(f"{WORKER_API}/{path}", body, self.headers)
         if code != expect:
             raise RuntimeError(f"{path}: {code} {answer}")
         return answer
@@ -336,11 +454,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", choices=("redis", "memory"), default="redis")
     parser.add_argument("--log-level", default="INFO", help="LOG_LEVEL of the server code")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument(
+        "--server",
+        choices=("wsgi", "gunicorn"),
+        default="wsgi",
+        help="in process (wsgi) or over HTTP to gunicorn with one worker process",
+    )
     args = parser.parse_args(argv)
+    if args.server == "gunicorn" and args.profile:
+        parser.error("--profile profiles this process: only with --server wsgi")
 
     base = os.environ.get("BENCH_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)", f"CREATE DATABASE {BENCH_DB}")
     flush = None
+    server: Gunicorn | None = None
     if args.cache == "redis":
         import redis
 
@@ -350,8 +477,21 @@ def main(argv: list[str] | None = None) -> int:
         django_setup(_env(base, args.cache, args.log_level), BENCH_DB)
         from django.db import connection
 
-        bench = Bench()
-        samples = warm_then_measure(functools.partial(one_round, bench), args.warmup, args.rounds)
+        if args.server == "gunicorn":
+            server = Gunicorn()
+            bench = Bench(Http(server.port))
+            each_round = functools.partial(one_round, bench)
+            log(f"warm-up: {args.warmup} rounds")
+            measure_server_rounds(each_round, args.warmup, server)
+            log(f"measure: {args.rounds} rounds (gunicorn worker {server.worker})")
+            samples = measure_server_rounds(each_round, args.rounds, server)
+            # The statements are the same code's: counted in process.
+            bench.transport = Wsgi()
+        else:
+            bench = Bench()
+            samples = warm_then_measure(
+                functools.partial(one_round, bench), args.warmup, args.rounds
+            )
         queries = count_queries(bench)
         figures = _figures(samples, queries)
         _print(figures, args)
@@ -363,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(figures, indent=2))
         connection.close()
     finally:
+        if server is not None:
+            server.stop()
         admin(base, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
         if flush is not None:
             flush()
@@ -396,8 +538,13 @@ def _figures(samples: Samples, queries: dict[str, int]) -> dict[str, Any]:
 
 
 def _print(figures: dict[str, Any], args: argparse.Namespace) -> None:
+    transport = (
+        "in process (WSGI)"
+        if args.server == "wsgi"
+        else "over HTTP to gunicorn (1 worker process; its CPU, clock ticks: no medians)"
+    )
     print(
-        f"Worker API requests in process (WSGI), PostgreSQL, cache {args.cache}, "
+        f"Worker API requests {transport}, PostgreSQL, cache {args.cache}, "
         f"LOG_LEVEL {args.log_level}, {args.rounds} rounds, load {figures['load_1m']:.1f}"
     )
     head = ("request", "CPU ms", "median", "wall ms", "CPU ms/Run", "PG CPU ms", "SQL")
@@ -407,13 +554,15 @@ def _print(figures: dict[str, Any], args: argparse.Namespace) -> None:
     )
     for kind, row in figures["kinds"].items():
         per_run = f"{row['cpu_ms'] / row['runs_served']:.2f}" if row["runs_served"] else "-"
+        median = f"{row['cpu_ms_median']:8.2f}" if args.server == "wsgi" else f"{'-':>8}"
         print(
-            f"{kind:<22} {row['cpu_ms']:8.2f} {row['cpu_ms_median']:8.2f} "
+            f"{kind:<22} {row['cpu_ms']:8.2f} {median} "
             f"{row['wall_ms_median']:8.2f} {per_run:>11} {row['pg_cpu_ms']:10.2f} {row['sql']:>4}"
         )
+    here = "here" if args.server == "wsgi" else "in gunicorn"
     print(
         f"per Run (a claiming pull + 3 ACK requests, each / 8): "
-        f"{figures['cpu_ms_per_run']:.2f} CPU ms here, "
+        f"{figures['cpu_ms_per_run']:.2f} CPU ms {here}, "
         f"{figures['pg_cpu_ms_per_run']:.2f} in the PostgreSQL backend"
     )
 
