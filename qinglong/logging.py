@@ -10,6 +10,7 @@ without passing through it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -59,11 +60,19 @@ _SECRET_PATTERN: Final = re.compile(
     r"|(?i:bearer)\s+\S+"
 )
 _MAX_DEPTH: Final = 6
+# Ids, counts and flags, the usual `extra` values: returned before any other check.
+_PLAIN: Final = frozenset({int, bool, float})
 
 
+_KEY_WORDS: Final = re.compile(r"[_\-.\s]+")
+
+
+# Remembered: every record asks it of the same few `extra` names (a lease ACK
+# line of four; issue #12, bench/request_cost.py). Bounded, as keys of a
+# logged mapping may come from anywhere.
+@functools.lru_cache(maxsize=1024)
 def is_sensitive_key(key: str) -> bool:
-    words = re.split(r"[_\-.\s]+", key.lower())
-    return any(word in _SENSITIVE_WORDS for word in words)
+    return not _SENSITIVE_WORDS.isdisjoint(_KEY_WORDS.split(key.lower()))
 
 
 def mask_secrets(text: str) -> str:
@@ -73,6 +82,8 @@ def mask_secrets(text: str) -> str:
 
 def redact_value(value: object, depth: int = 0) -> object:
     """Mask secret-looking strings and sensitive keys, recursively (bounded)."""
+    if value is None or type(value) in _PLAIN:
+        return value
     if depth > _MAX_DEPTH:
         return REDACTED
     if isinstance(value, str):
@@ -104,9 +115,7 @@ class RedactionFilter(logging.Filter):
             message = f"{record.msg!s} (unformattable args)"
         record.msg = mask_secrets(message)
         record.args = None
-        for key in list(vars(record)):
-            if key in _STANDARD_ATTRS:
-                continue
+        for key in vars(record).keys() - _STANDARD_ATTRS:
             value = getattr(record, key)
             setattr(record, key, REDACTED if is_sensitive_key(key) else redact_value(value))
         if record.exc_info and record.exc_info[1] is not None:
