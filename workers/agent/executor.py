@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import itertools
 import os
 import select
 import shutil
@@ -50,6 +51,8 @@ __all__ = [
 # environment (which may hold the agent's own secrets).
 _BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "SYSTEMROOT")
 _PR_SET_PDEATHSIG = 1
+# Programs whose place a spawner remembers (forgotten all at once beyond).
+_PROGRAMS_KEPT = 64
 
 
 def parent_death_signal() -> Callable[[], None] | None:
@@ -108,12 +111,14 @@ def parent_death_wrapper() -> tuple[str, ...] | None:
     return prefix if probe.returncode == 0 else None
 
 
-def _check_program(name: str, *, env: Mapping[str, str], cwd: str) -> None:
+def _check_program(name: str, *, env: Mapping[str, str], cwd: str, first: str | None = None) -> str:
     """Raise what exec would (FileNotFoundError, PermissionError) when `name`
     names no program the child can run, before any process exists: behind
     setpriv, a missing program would otherwise be setpriv's exit code 127
     instead of a `spawn_failed`. The same search as the exec: a name with a
-    slash from the cwd, else each directory of the child's PATH in order."""
+    slash from the cwd, else each directory of the child's PATH in order.
+    Returns the file found; `first`: where it was found last time, looked at
+    before the search (whichever the exec then picks, one exists)."""
     if not name:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory")
     # Strings, not Path objects: this runs before every spawn.
@@ -123,6 +128,8 @@ def _check_program(name: str, *, env: Mapping[str, str], cwd: str) -> None:
     else:
         folders = os.get_exec_path(env)
         candidates = (os.path.join(cwd, folder, name) for folder in folders)  # noqa: PTH118
+    if first is not None:
+        candidates = itertools.chain((first,), candidates)
     denied = False
     for candidate in candidates:
         try:
@@ -130,7 +137,7 @@ def _check_program(name: str, *, env: Mapping[str, str], cwd: str) -> None:
         except OSError:
             continue  # not there (or not reachable): the next directory
         if not stat.S_ISDIR(mode) and os.access(candidate, os.X_OK):
-            return
+            return candidate
         denied = True
     if denied:
         raise PermissionError(errno.EACCES, "Permission denied")
@@ -380,6 +387,9 @@ class ProcessSpawner:
         self.workdir = workdir
         self._base = workdir.resolve()
         self._wrapper: Sequence[str] = ()
+        # Where each program was found last (its name, PATH, cwd): looked at
+        # first by the next spawn's check, one stat instead of a PATH walk.
+        self._programs: dict[tuple[str, str, str], str] = {}
         self._preexec: Callable[[], None] | None = None
         wrapper = parent_death_wrapper() if setpriv else None
         if wrapper is not None:
@@ -406,7 +416,11 @@ class ProcessSpawner:
                 raise ValueError("empty command")
             # setpriv execs the command itself: what it could not find or
             # run would be its exit code, not a refused spawn.
-            _check_program(command[0], env=env, cwd=str(cwd))
+            key = (command[0], env.get("PATH", ""), str(cwd))
+            found = _check_program(command[0], env=env, cwd=str(cwd), first=self._programs.get(key))
+            if len(self._programs) >= _PROGRAMS_KEPT:
+                self._programs.clear()
+            self._programs[key] = found
             command = [*self._wrapper, *command]
         output = tempfile.TemporaryFile()  # noqa: SIM115  (closed by LocalProcess.close)
         try:

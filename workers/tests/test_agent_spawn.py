@@ -244,3 +244,32 @@ def test_the_job_runs_with_the_agents_credentials_unchanged(tmp_path: Path, setp
     process.close()
     assert len(child) >= 8
     assert child == wanted(Path("/proc/self/status").read_text())
+
+
+@linux_only
+def test_a_program_removed_after_a_spawn_is_refused_at_the_next(tmp_path: Path) -> None:
+    # The spawner remembers where it found a program: a check, not a
+    # verdict; a program gone since (or moved along the PATH) is found out.
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    env = {"PATH": f"{first}:{second}:/usr/bin:/bin"}
+    spawner = ProcessSpawner(tmp_path)
+
+    def spawn() -> str:
+        process = spawner(a_spec(command=["ql-tool"], env=env))
+        assert process.wait(timeout=30) == 0
+        process.release(grace_s=0)
+        tail = process.output_tail(100).strip()
+        process.close()
+        return tail
+
+    (first / "ql-tool").write_text("#!/bin/sh\necho first\n")
+    (first / "ql-tool").chmod(0o755)
+    assert spawn() == "first"
+    (first / "ql-tool").unlink()
+    with pytest.raises(FileNotFoundError):
+        spawner(a_spec(command=["ql-tool"], env=env))
+    (second / "ql-tool").write_text("#!/bin/sh\necho second\n")
+    (second / "ql-tool").chmod(0o755)
+    assert spawn() == "second"
