@@ -5,14 +5,27 @@ overridable in settings) and are read per request, so a settings override in a
 test or a reload takes effect; counters live in the default cache — Redis in
 the cluster, so every web process counts against one limit (README
 "Configuration", `QL_CACHE_URL`).
+
+`N/period` allows N requests per window: the first request of a key opens a
+window of one period, and past N the answer is 429 with the window's
+remaining seconds as `Retry-After`. A window is one counter: on Redis one
+round trip per request (`SET NX EX`, `INCR`, `PTTL` in one transaction)
+instead of DRF's read and rewrite of a list of every request's time in the
+period — up to 600 timestamps unpickled and pickled again per pull at the
+default rate (issue #12, bench/request_cost.py). Other caches (the per-process
+memory of the embedded default) keep `(window end, count)` under the key.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
+from django.core.cache import DEFAULT_CACHE_ALIAS, caches
+from django.core.cache.backends.base import BaseCache
+from django.core.cache.backends.redis import RedisCache
 from rest_framework.request import Request
 from rest_framework.settings import api_settings
 from rest_framework.throttling import SimpleRateThrottle
@@ -40,7 +53,74 @@ def _warn_cache_down(err: Exception) -> None:
     )
 
 
+def _redis_window_hit(cache: RedisCache, key: str, duration: int) -> tuple[int, float]:
+    """Counts a request in the key's window on Redis: (count so far, seconds left)."""
+    # Django's private client, which django-stubs does not declare.
+    backend: Any = cache
+    redis_key = backend.make_and_validate_key(key)
+    client = backend._cache.get_client(redis_key, write=True)
+    pipe = client.pipeline(transaction=True)
+    # Django's Redis serializer stores an int as a plain integer: INCR-able,
+    # and `cache.get` reads it back.
+    pipe.set(redis_key, 0, ex=duration, nx=True)
+    pipe.incr(redis_key)
+    pipe.pttl(redis_key)
+    _, count, left_ms = pipe.execute()
+    if left_ms < 0:
+        # A counter without expiry would refuse its key forever: whatever made
+        # it (a window that ended between SET and INCR), it ends now + duration.
+        client.expire(redis_key, duration)
+        left_ms = duration * 1000
+    return int(count), left_ms / 1000
+
+
+# Wall-clock seconds (window ends are kept across processes' restarts).
+_clock = time.time
+
+
+def _cache_window_hit(cache: BaseCache, key: str, duration: int) -> tuple[int, float]:
+    """As `_redis_window_hit` on any cache: read and write `(window end, count)`."""
+    now = _clock()
+    entry = cache.get(key)
+    end, count = entry if isinstance(entry, tuple) and len(entry) == 2 else (0.0, 0)
+    if end <= now:
+        end, count = now + duration, 0
+    count += 1
+    cache.set(key, (end, count), max(1, math.ceil(end - now)))
+    return count, end - now
+
+
 class _PrincipalThrottle(SimpleRateThrottle):
+    def allow_request(self, request: Request, view: Any) -> bool:
+        try:
+            return self._window_allows(request, view)
+        except Exception as err:  # noqa: BLE001  (rate limits must not take the API down)
+            # Fail open: a Redis outage costs rate limiting, never Worker calls
+            # (a refused heartbeat would take the Session offline).
+            _warn_cache_down(err)
+            return True
+
+    def _window_allows(self, request: Request, view: Any) -> bool:
+        # Read per request (see the module docstring), not once per class.
+        self.rate = self.get_rate()
+        if self.rate is None:
+            return True
+        limit, duration = self.parse_rate(self.rate)
+        key = self.get_cache_key(request, view)
+        if key is None or limit is None or duration is None:
+            return True
+        # The backend itself: DRF's `cache` attribute is a proxy to it.
+        cache = caches[DEFAULT_CACHE_ALIAS]
+        if isinstance(cache, RedisCache):
+            count, left = _redis_window_hit(cache, key, duration)
+        else:
+            count, left = _cache_window_hit(cache, key, duration)
+        self._wait = left
+        return count <= limit
+
+    def wait(self) -> float | None:
+        return max(1.0, getattr(self, "_wait", 1.0))
+
     def get_rate(self) -> str | None:
         rates = api_settings.DEFAULT_THROTTLE_RATES or {}
         rate = rates.get(self.scope or "")
@@ -57,15 +137,6 @@ class _PrincipalThrottle(SimpleRateThrottle):
         if ident is None:
             return None
         return self.cache_format % {"scope": self.scope, "ident": ident}
-
-    def allow_request(self, request: Request, view: Any) -> bool:
-        try:
-            return bool(super().allow_request(request, view))
-        except Exception as err:  # noqa: BLE001  (rate limits must not take the API down)
-            # Fail open: a Redis outage costs rate limiting, never Worker calls
-            # (a refused heartbeat would take the Session offline).
-            _warn_cache_down(err)
-            return True
 
 
 class SessionOpenThrottle(_PrincipalThrottle):

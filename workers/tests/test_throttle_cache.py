@@ -159,3 +159,71 @@ def test_throttle_counters_live_in_redis_where_every_process_counts(client: Clie
         for key in raw.keys(key_pattern):
             raw.delete(key)
         raw.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_redis_window_is_one_counter_that_expires_with_its_window(client: Client) -> None:
+    raw = redis.Redis.from_url(REDIS_URL)
+    worker = WorkerClient.open(client)
+    key_pattern = f"*throttle_worker_pull_session-{worker.worker.sessions.get().pk}"
+    try:
+        with override_settings(
+            CACHES=_redis_cache(REDIS_URL), REST_FRAMEWORK=_rates(worker_pull="2/min")
+        ):
+            assert worker.pull()[0].status_code == 200
+            [key] = raw.keys(key_pattern)
+            # One integer and the window's expiry, not a list of request times.
+            assert int(raw.get(key) or b"") == 1
+            assert 0 < raw.pttl(key) <= 60_000
+            assert worker.pull()[0].status_code == 200
+            limited = worker.pull()[0]
+            assert limited.status_code == 429
+            assert 1 <= int(limited["Retry-After"]) <= 60
+            assert int(raw.get(key) or b"") == 3
+    finally:
+        for key in raw.keys(key_pattern):
+            raw.delete(key)
+        raw.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_redis_counter_without_expiry_is_given_one(client: Client) -> None:
+    raw = redis.Redis.from_url(REDIS_URL)
+    worker = WorkerClient.open(client)
+    key_pattern = f"*throttle_worker_pull_session-{worker.worker.sessions.get().pk}"
+    try:
+        with override_settings(
+            CACHES=_redis_cache(REDIS_URL), REST_FRAMEWORK=_rates(worker_pull="5/min")
+        ):
+            assert worker.pull()[0].status_code == 200
+            [key] = raw.keys(key_pattern)
+            raw.persist(key)  # as if its window ended between SET and INCR
+            assert worker.pull()[0].status_code == 200
+            assert 0 < raw.pttl(key) <= 60_000  # else it would refuse the Session forever
+    finally:
+        for key in raw.keys(key_pattern):
+            raw.delete(key)
+        raw.close()
+
+
+@pytest.mark.django_db
+def test_a_memory_window_refuses_until_it_ends_then_allows_again(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1_000_000.0]
+    monkeypatch.setattr("workers.api.throttles._clock", lambda: now[0])
+    worker = WorkerClient.open(client)
+    with override_settings(
+        CACHES={"default": {"BACKEND": LOCMEM, "LOCATION": "throttle-window"}},
+        REST_FRAMEWORK=_rates(worker_pull="2/min"),
+    ):
+        assert worker.pull()[0].status_code == 200
+        now[0] += 20
+        assert worker.pull()[0].status_code == 200
+        limited = worker.pull()[0]
+        assert limited.status_code == 429
+        assert int(limited["Retry-After"]) == 40  # what is left of the window
+        now[0] += 40.5
+        assert worker.pull()[0].status_code == 200  # a new window
