@@ -214,7 +214,7 @@ class AckItem:
 
 
 def _in_one_statement(
-    item: AckItem, *, session: WorkerSession, now: datetime | None = None
+    item: AckItem, *, session: WorkerSession, held_since: datetime | None = None
 ) -> OneStatementAck | None:
     """`leases.ack_statement`: the ACK applied in one statement, or None (nothing written)."""
     if not decides_in_one_statement(item.phase, output_tail=item.output_tail):
@@ -228,7 +228,7 @@ def _in_one_statement(
         executor_handle=item.executor_handle,
         exit_code=item.exit_code,
         error_code=item.error_code,
-        now=now,
+        held_since=held_since,
     )
 
 
@@ -400,7 +400,7 @@ def _all_in_one_transaction(
                 answers.append(_refused(item.offer_id, session))
                 continue
             try:
-                done = _in_one_statement(item, session=session, now=now)
+                done = _in_one_statement(item, session=session, held_since=now)
             except LostRace:
                 raise _Unsure from None
             if done is not None:

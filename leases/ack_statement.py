@@ -151,12 +151,17 @@ def _fresh(table: str, alias: str) -> str:
     return f"(SELECT x.version FROM {table} x WHERE x.id = lk.{alias}_id) = lk.{alias}_version"  # noqa: S608  (names from model metadata; values are parameters)
 
 
-_SQL: dict[str, str] = {}
+_SQL: dict[tuple[str, bool], str] = {}
 
 
-def _sql(phase: str) -> str:
-    """The statement of one phase (written once; prepared once per connection)."""
-    found = _SQL.get(phase)
+def _sql(phase: str, *, held: bool) -> str:
+    """The statement of one phase (written once; prepared once per connection).
+
+    `held`: the caller's transaction holds the rows' locks already (a batch),
+    so the statement takes none and its rows cannot have changed since its
+    snapshot: no `FOR UPDATE`, no `fresh`, and `now` is a parameter.
+    """
+    found = _SQL.get((phase, held))
     if found is not None:
         return found
     shape = _PHASES[phase]
@@ -185,13 +190,14 @@ def _sql(phase: str) -> str:
         "lk.l_expires > lk.now",  # leases.policy.lease_is_live
         "lk.a_gen = lk.l_gen",  # not stale
         f"lk.a_state IN ({_from_states(ATTEMPT_TRANSITIONS, shape.attempt_to)})",
-        # `fresh` (see the module docstring): the snapshot's row is the locked one.
-        _fresh(attempt, "a"),
-        _fresh(lease, "l"),
     ]
     if shape.run_to is not None:
         checks.append(f"lk.r_state IN ({_from_states(RUN_TRANSITIONS, shape.run_to)})")
-        checks.append(_fresh(run, "r"))
+    if not held:
+        # `fresh` (see the module docstring): the snapshot's row is the locked one.
+        checks.extend(_fresh(table, alias) for table, alias in ((attempt, "a"), (lease, "l")))
+        if shape.run_to is not None:
+            checks.append(_fresh(run, "r"))
     if shape.refuse_cancelled:
         checks.append("NOT lk.r_cancel")
     if shape.refuse_overdue:
@@ -212,7 +218,8 @@ def _sql(phase: str) -> str:
     writes = [
         f"""wa AS (
             UPDATE {attempt} a SET {attempt_sets} FROM g
-            WHERE g.ok AND a.id = g.a_id AND a.version = g.a_version AND a.state = g.a_state
+            WHERE a.id = (SELECT g.a_id FROM g) AND g.ok
+              AND a.id = g.a_id AND a.version = g.a_version AND a.state = g.a_state
             RETURNING a.id)""",  # noqa: S608  (names from model metadata; values are parameters)
         f"""we AS (
             INSERT INTO {event} ({", ".join(qn(c) for c in event_columns)})
@@ -222,7 +229,7 @@ def _sql(phase: str) -> str:
             RETURNING 1)""",  # noqa: S608  (names from model metadata; values are parameters)
         f"""wl AS (
             UPDATE {lease} l SET {lease_sets}, version = l.version + 1 FROM g
-            WHERE EXISTS (SELECT 1 FROM wa)
+            WHERE l.id = (SELECT g.l_id FROM g) AND EXISTS (SELECT 1 FROM wa)
               AND l.id = g.l_id AND l.version = g.l_version AND l.state = {active}
             RETURNING 1)""",  # noqa: S608  (names from model metadata; values are parameters)
     ]
@@ -234,12 +241,14 @@ def _sql(phase: str) -> str:
         writes.append(
             f"""wr AS (
             UPDATE {run} r SET {run_sets} FROM g
-            WHERE EXISTS (SELECT 1 FROM wa)
+            WHERE r.id = (SELECT g.r_id FROM g) AND EXISTS (SELECT 1 FROM wa)
               AND r.id = g.r_id AND r.version = g.r_version AND r.state = g.r_state
             RETURNING 1)"""  # noqa: S608  (names from model metadata; values are parameters)
         )
         counts.append("(SELECT count(*) FROM wr)")
-    found = _SQL[phase] = f"""
+    clock = "%s::timestamptz" if held else "statement_timestamp()"
+    locks = "" if held else "FOR UPDATE OF r, a FOR NO KEY UPDATE OF s FOR UPDATE OF l"
+    found = _SQL[(phase, held)] = f"""
         WITH lk AS MATERIALIZED (
             SELECT r.id AS r_id, r.state AS r_state, r.version AS r_version,
                    r.cancel_requested AS r_cancel, r.project_id AS r_project,
@@ -251,12 +260,13 @@ def _sql(phase: str) -> str:
                    l.lease_generation AS l_gen, l.session_generation AS l_sgen,
                    l.expires_at AS l_expires, l.token_digest AS l_token,
                    l.spec_digest AS l_spec,
-                   COALESCE(%s::timestamptz, statement_timestamp()) AS now
+                   {clock} AS now
             FROM {run} r, {revision} v, {attempt} a, {session} s, {lease} l
-            WHERE l.offer_id = %s::varchar AND l.session_id = %s::bigint
+            WHERE l.id = (SELECT x.id FROM {lease} x WHERE x.offer_id = %s::varchar)
+              AND l.session_id = %s::bigint
               AND r.id = l.run_id AND v.id = r.task_revision_id
               AND a.id = l.attempt_id AND s.id = l.session_id
-            FOR UPDATE OF r, a FOR NO KEY UPDATE OF s FOR UPDATE OF l
+            {locks}
         ),
         g AS MATERIALIZED (
             SELECT lk.*, COALESCE({" AND ".join(checks)}, false) AS ok FROM lk
@@ -277,24 +287,26 @@ def ack_in_one_statement(
     executor_handle: str = "",
     exit_code: int | None = None,
     error_code: str = "",
-    now: datetime | None = None,
+    held_since: datetime | None = None,
 ) -> OneStatementAck | None:
     """Apply one ACK in one statement, or write nothing and return None.
 
     None: the lease was not found for this Session, or a check failed, or a
     row changed between the statement's snapshot and its locks — the caller
     takes the portable path, which decides and answers. Alone, the statement
-    is its own transaction; in a batch's (`lease_ack_each`), under the locks
-    it already holds, with `now` the clock those locks were taken at (else
-    the statement's). `decides_in_one_statement` says which ACKs may come
-    here. Raises `LostRace` only should a write after the Attempt's touch no
-    row, which the locks and `fresh` exclude.
+    is its own transaction and takes its locks; in a batch's
+    (`lease_ack_each`), whose transaction already holds them, `held_since`
+    is the clock they were taken at, and the ACK is decided at it.
+    `decides_in_one_statement` says which ACKs may come here. Raises
+    `LostRace` only should a write after the Attempt's touch no row, which
+    the locks and `fresh` exclude.
     """
     shape = _PHASES[phase]
     salt = secrets.token_hex(16)
     digest = token_digest(lease_token)
+    held = held_since is not None
     params: list[Any] = [
-        now,
+        *((held_since,) if held else ()),
         offer_id,
         session.pk,
         salt,
@@ -313,7 +325,7 @@ def ack_in_one_statement(
     if shape.lease == "extend":
         params.append(policy.lease_ttl())
     with prepared_cursor() as cursor:
-        cursor.execute(_sql(phase), params)
+        cursor.execute(_sql(phase, held=held), params)
         row = cursor.fetchone()
     if row is None or not row[0]:
         return None
