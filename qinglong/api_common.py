@@ -7,7 +7,8 @@
   body says).
 - `ApiView`: refuses a body without Content-Length (411) and checks
   Content-Length against the cap before anything else; every response is
-  `Cache-Control: no-store`.
+  `Cache-Control: no-store`; a JSON-only view answers the usual `Accept`
+  (no header, `*/*`, `application/json`) without parsing it (`JsonFirstNegotiation`).
 - `StrictSerializer` and strict fields: unknown fields are a 400 (README "Worker API",
   "never silently applied"), and values are never coerced ("5" is not 5).
 - `FullMatchRegexValidator` and `QueryIntegerField`: a pattern must match the
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from itertools import accumulate, count
 from typing import Any, ClassVar, cast
 
@@ -30,7 +31,9 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.validators import RegexValidator
 from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail, ParseError, ValidationError
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import JSONParser
+from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.validators import ProhibitSurrogateCharactersValidator
 from rest_framework.views import APIView
@@ -121,6 +124,44 @@ class CappedJSONParser(JSONParser):
             raise NestingTooDeep(MAX_JSON_DEPTH) from None
 
 
+# What agents and scripts send: DRF would pick the JSON renderer for each.
+# (An empty Accept header is a 406 in DRF: it accepts nothing.)
+_JSON_ACCEPTS = frozenset({"*/*", "application/json"})
+
+
+class JsonFirstNegotiation(DefaultContentNegotiation):
+    """DRF's negotiation, minus its Accept parsing when the answer is plain.
+
+    With one renderer, JSON, no query string and no `Accept` header, or `*/*` or
+    `application/json`, DRF's answer is always that renderer and its media
+    type; every other request (a browser's `text/html`, the browsable API's
+    second renderer under DEBUG, a 406) goes through DRF as before. Parsing
+    the header and ordering media types by precedence was about 0.05 ms of
+    every Worker request (issue #12, bench/request_cost.py).
+    """
+
+    def select_renderer(
+        self,
+        request: Request,
+        renderers: Iterable[BaseRenderer],
+        format_suffix: str | None = None,
+    ) -> tuple[BaseRenderer, str]:
+        meta = request.META
+        if (
+            isinstance(renderers, list)  # as DRF's views pass them
+            and len(renderers) == 1
+            and renderers[0].media_type == "application/json"
+            and format_suffix is None
+            and not meta.get("QUERY_STRING")
+            and meta.get("HTTP_ACCEPT", "*/*") in _JSON_ACCEPTS
+        ):
+            return renderers[0], renderers[0].media_type
+        chosen: tuple[BaseRenderer, str] = super().select_renderer(
+            request, renderers, format_suffix
+        )
+        return chosen
+
+
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 
 
@@ -128,6 +169,7 @@ class ApiView(APIView):
     """Base view: JSON only, byte-capped bodies."""
 
     parser_classes = [CappedJSONParser]
+    content_negotiation_class = JsonFirstNegotiation
     # Overridden per API; the operator default follows DATA_UPLOAD_MAX_MEMORY_SIZE.
     max_body_bytes: ClassVar[int | None] = None
 
