@@ -229,6 +229,17 @@ def _async_commit() -> bool:
     return bool(settings.QINGLONG_CLAIM_ASYNC_COMMIT)
 
 
+# Issue #12: the statements after a claim's lock statement (a page's write
+# above all) are prepared (qinglong.prepared), but PostgreSQL kept planning
+# them anew on every execution: costed for arrays of unknown length, their
+# generic plan looked dearer than a plan made for the arrays at hand, which
+# took the server about 3 ms per page to make. The plans are the same (an
+# index probe per key, the states literals in the text), so the claim's
+# transaction — only it: `set_config(..., true)` is local to the transaction —
+# runs the generic one. Carried by the lock statement: no round trip.
+_GENERIC_PLANS = "set_config('plan_cache_mode', 'force_generic_plan', true) AS plan_mode"
+
+
 _CLAIM_ROWS_SQL: dict[tuple[str, bool], str] = {}
 
 
@@ -242,6 +253,7 @@ def _claim_rows_sql(vendor: str, *, skip: bool) -> str:
     run_lock = "FOR UPDATE OF r, a" + (" SKIP LOCKED" if skip else "")
     session_lock = "FOR NO KEY UPDATE OF s"
     no_limits = "(SELECT ra.p_limit = 0 AND ra.t_limit = 0 FROM ra)"
+    tail = f", clock_timestamp() AS now, {_ASYNC_COMMIT}, {_GENERIC_PLANS}" if postgres else ""
     sql = f"""
         WITH ra AS (
             SELECT {_columns(Run._meta, "r", _RUN_COLUMNS, "r_")},
@@ -262,7 +274,7 @@ def _claim_rows_sql(vendor: str, *, skip: bool) -> str:
             WHERE s.{qn("session_id")} = %s AND {no_limits}
             {session_lock if postgres else ""}
         )
-        SELECT ra.*, sw.*{", clock_timestamp() AS now, " + _ASYNC_COMMIT if postgres else ""}
+        SELECT ra.*, sw.*{tail}
         FROM ra LEFT JOIN sw ON 1 = 1
     """  # noqa: S608  (names from model metadata; values are parameters)
     _CLAIM_ROWS_SQL[(vendor, skip)] = sql
@@ -777,7 +789,7 @@ def _claim_batch_sql(*, skip: bool) -> str:
         ),
         {_sessions_cte(sessions_where)}
         SELECT (SELECT json_agg(ra) FROM ra), {_sessions_select()},
-               clock_timestamp(), {_ASYNC_COMMIT}
+               clock_timestamp(), {_ASYNC_COMMIT}, {_GENERIC_PLANS}
     """  # noqa: S608  (names from model metadata; values are parameters)
     _CLAIM_BATCH_SQL[(connection.vendor, skip)] = sql
     return sql
@@ -800,7 +812,7 @@ def lock_claim_batch(keys: Sequence[BatchKey], *, skip_locked: bool) -> ClaimBat
         cursor.execute(sql, [*_batch_keys_params(keys), _async_commit()])
         row = cursor.fetchone()
     assert row is not None
-    pairs, session_rows, conflicts, now, _ = row
+    pairs, session_rows, conflicts, now, _, _ = row
     rows = {int(values["idx"]): _batch_row(values) for values in pairs or ()}
     limits: BatchLimits | None = None
     if not any(r.project_limit or r.task_limit for r in rows.values()):

@@ -52,7 +52,7 @@ from leases.transitions import (
 )
 from notifications.models import WebhookSubscription
 from notifications.services import run_event_emit
-from qinglong.prepared import prepared_cursor
+from qinglong.prepared import prepared_cursor, state_literal
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 
 __all__ = ["ClaimCounts", "ClaimWrites", "Guard", "Writes"]
@@ -486,14 +486,82 @@ class _Claimed:
     attempt: Attempt
     run: Run
     lease: RunLease
-    event: dict[str, object]  # the history row's attribute values (`_saved_value`)
+    actor: str  # the history row's `actor`
 
 
-_CLAIM_BATCH_SQL: dict[str, tuple[str, tuple[Any, ...], tuple[Any, ...]]] = {}
+# A page's lease columns that differ from claim to claim: what `_new_lease`
+# (leases.claim) sets. Every other column is the model's default, the same for
+# every lease of every page (`_lease_defaults`).
+_LEASE_VARYING: Final = (
+    "attempt_id",
+    "run_id",
+    "worker_id",
+    "session_id",
+    "session_generation",
+    "lease_generation",
+    "offer_id",
+    "token_digest",
+    "spec_digest",
+    "placement_score",
+    "source",
+    "pull_id",
+    "claimed_at",
+    "expires_at",
+    "delivery_count",
+    "last_delivered_at",
+)
+_CLAIM_BATCH_SQL: dict[str, str] = {}
 
 
-def _claim_batch_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
-    """The statement of `ClaimWrites.apply` and the event and lease fields it inserts."""
+_LEASE_FIELDS: list[tuple[list[Any], list[Any]]] = []
+
+
+def _lease_fields() -> tuple[list[Any], list[Any]]:
+    """RunLease's concrete columns but the key: those `_LEASE_VARYING` names, the rest."""
+    if not _LEASE_FIELDS:
+        fields = [f for f in _LEASE.concrete_fields if not f.primary_key]
+        _LEASE_FIELDS.append(
+            (
+                [f for f in fields if f.attname in _LEASE_VARYING],
+                [f for f in fields if f.attname not in _LEASE_VARYING],
+            )
+        )
+    return _LEASE_FIELDS[0]
+
+
+def _lease_column(field: Any, leases: Sequence[RunLease]) -> list[Any]:
+    """One varying column of the page's leases, as `save()` writes it on PostgreSQL:
+    the attribute's value (`leases.claim._new_lease` sets each in the column's
+    type), a pull id given as text made a UUID."""
+    values = [getattr(lease, field.attname) for lease in leases]
+    if field.attname == "pull_id":
+        return [v if v is None or isinstance(v, uuid.UUID) else uuid.UUID(str(v)) for v in values]
+    return values
+
+
+_DEFAULTS: dict[str, list[Any]] = {}
+
+
+def _lease_defaults() -> list[Any]:
+    """What `save()` writes to each column a claim leaves at its default (once per vendor)."""
+    found = _DEFAULTS.get(connection.vendor)
+    if found is None:
+        db = _db()
+        found = _DEFAULTS[connection.vendor] = [
+            f.get_db_prep_save(f.get_default(), db) for f in _lease_fields()[1]
+        ]
+    return found
+
+
+def _claim_batch_sql() -> str:
+    """The statement of `ClaimWrites.apply` (written once per vendor).
+
+    Under 4,096 characters and 50 parameters, so psycopg keeps its parsed form
+    too (it parses longer statements again on every execution): the values
+    that differ per claim are arrays (`q`), the states and the history row's
+    fixed words are literals, the columns a claim leaves at their defaults
+    one parameter each for the whole page.
+    """
     found = _CLAIM_BATCH_SQL.get(connection.vendor)
     if found is not None:
         return found
@@ -505,68 +573,66 @@ def _claim_batch_sql() -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
             "FROM unnest(%s::bigint[], %s::integer[]) AS g(k, n)), true)"
         )
 
-    def inserted(meta: Any, alias: str) -> tuple[str, tuple[Any, ...]]:
-        fields = tuple(f for f in meta.concrete_fields if not f.primary_key)
-        columns = ", ".join(_q(f.column) for f in fields)
-        arrays = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
-        picked = ", ".join(f"{alias}.{_q(f.column)}" for f in fields)
-        sql = (
-            f"INSERT INTO {_q(meta.db_table)} ({columns}) SELECT {picked} "  # noqa: S608  (names from model metadata; values are parameters)
-            f"FROM unnest({arrays}) AS {alias}({columns}) "
-            f"WHERE {alias}.{_q('attempt_id')} IN (SELECT id FROM wa)"
-        )
-        return sql, fields
-
-    events_sql, event_fields = inserted(_EVENT, "e")
-    leases_sql, lease_fields = inserted(_LEASE, "l")
-    attempt, run = _q(_ATTEMPT.db_table), _q(_RUN.db_table)
+    varying, defaults = _lease_fields()
+    q_columns = [
+        "a_version",
+        "r_version",
+        "actor",
+        *(f.column for f in varying),
+    ]
+    q_types = ["integer", "integer", "varchar(80)", *(f.db_type(connection) for f in varying)]
+    arrays = ", ".join(f"%s::{kind}[]" for kind in q_types)
+    lease_columns = ", ".join(_q(f.column) for f in (*varying, *defaults))
+    lease_values = ", ".join(
+        [
+            *(f"q.{_q(f.column)}" for f in varying),
+            *(f"%s::{f.db_type(connection)}" for f in defaults),
+        ]
+    )
+    attempt, run, lease, event = (_q(m.db_table) for m in (_ATTEMPT, _RUN, _LEASE, _EVENT))
     state, version, pk = _q("state"), _q("version"), _q("id")
+    aid, rid, gen = _q("attempt_id"), _q("run_id"), _q("lease_generation")
+    pending, claimed = state_literal(AttemptState.PENDING), state_literal(AttemptState.CLAIMED)
+    queued, dispatching = state_literal(RunState.QUEUED), state_literal(RunState.DISPATCHING)
     sql = f"""
         WITH guard AS (SELECT ({counted("session")} AND {counted("project")}
             AND {counted("task")} AND NOT EXISTS (
                 SELECT 1 FROM unnest(%s::bigint[], %s::uuid[], %s::varchar(64)[]) AS g(k, pull, tok)
                 WHERE {pull_conflict_sql("g.k", "g.pull", "g.tok")})) AS ok),
-        q AS MATERIALIZED (SELECT * FROM unnest(%s::bigint[], %s::integer[], %s::integer[],
-            %s::bigint[], %s::integer[]) AS q(attempt_id, a_version, gen, run_id, r_version)),
+        q AS MATERIALIZED (SELECT * FROM unnest({arrays}) AS q({", ".join(q_columns)})),
         wa AS (
-            UPDATE {attempt} a SET {state} = %s, {version} = a.{version} + 1,
-                   {_q("lease_generation")} = q.gen
+            UPDATE {attempt} a SET {state} = {claimed}, {version} = a.{version} + 1, {gen} = q.{gen}
             FROM q, {run} r
-            WHERE a.{pk} = q.attempt_id AND a.{version} = q.a_version AND a.{state} = %s
-              AND a.{_q("lease_generation")} + 1 = q.gen AND a.{_q("run_id")} = q.run_id
-              AND r.{pk} = q.run_id AND r.{version} = q.r_version AND r.{state} = %s
+            WHERE a.{pk} = q.{aid} AND a.{version} = q.a_version AND a.{state} = {pending}
+              AND a.{gen} + 1 = q.{gen} AND a.{rid} = q.{rid}
+              AND r.{pk} = q.{rid} AND r.{version} = q.r_version AND r.{state} = {queued}
               AND (SELECT ok FROM guard)
             RETURNING a.{pk} AS id
         ),
         wr AS (
-            UPDATE {run} r SET {state} = %s, {version} = r.{version} + 1
-            FROM q
-            WHERE r.{pk} = q.run_id AND r.{version} = q.r_version AND r.{state} = %s
-              AND q.attempt_id IN (SELECT id FROM wa)
+            UPDATE {run} r SET {state} = {dispatching}, {version} = r.{version} + 1 FROM q
+            WHERE r.{pk} = q.{rid} AND r.{version} = q.r_version AND r.{state} = {queued}
+              AND q.{aid} IN (SELECT id FROM wa)
             RETURNING 1
         ),
-        we AS ({events_sql} RETURNING 1),
-        wl AS ({leases_sql} RETURNING {pk}, {_q("attempt_id")})
+        we AS (
+            INSERT INTO {event} ({aid}, {rid}, {_q("from_state")}, {_q("to_state")}, {_q("reason")},
+                {_q("actor")}, {_q("at")})
+            SELECT q.{aid}, q.{rid}, {pending}, {claimed}, 'claim', q.actor, %s::timestamptz
+            FROM q WHERE q.{aid} IN (SELECT id FROM wa) RETURNING 1
+        ),
+        wl AS (
+            INSERT INTO {lease} ({lease_columns}) SELECT {lease_values}
+            FROM q WHERE q.{aid} IN (SELECT id FROM wa) RETURNING {pk}, {aid}
+        )
         SELECT (SELECT ok FROM guard), (SELECT array_agg(id) FROM wa),
                (SELECT count(*) FROM wr), (SELECT count(*) FROM we),
-               (SELECT json_agg(json_build_array(wl.{_q("attempt_id")}, wl.{pk})) FROM wl)
-    """  # noqa: S608  (names from model metadata; values are parameters)
-    found = _CLAIM_BATCH_SQL[connection.vendor] = (sql, event_fields, lease_fields)
+               (SELECT json_agg(json_build_array(wl.{aid}, wl.{pk})) FROM wl)
+    """  # noqa: S608  (names from model metadata; the states are the models' constants, state_literal; values are parameters)
+    # Its layout is for reading; what is sent has no run of blanks (no value
+    # is in the text), which keeps it under psycopg's limit.
+    found = _CLAIM_BATCH_SQL[connection.vendor] = " ".join(sql.split())
     return found
-
-
-def _columns_of(objs: Sequence[Model], fields: tuple[Any, ...]) -> list[list[Any]]:
-    """One array per field (every concrete column but the key), as `save()` would write."""
-    db = _db()
-    return [[f.get_db_prep_save(f.pre_save(obj, add=True), db) for obj in objs] for f in fields]
-
-
-def _value_columns(
-    rows: Sequence[Mapping[str, object]], fields: tuple[Any, ...]
-) -> list[list[Any]]:
-    """`_columns_of` for new rows given as attribute values (`_saved_value`)."""
-    db = _db()
-    return [[_saved_value(f, row, db) for row in rows] for f in fields]
 
 
 class ClaimWrites:
@@ -592,15 +658,7 @@ class ClaimWrites:
         """`Writes.attempt(claimed)`, `Writes.run(dispatching)` and `Writes.lease_create`."""
         _legal("attempt", ATTEMPT_TRANSITIONS, str(attempt.state), AttemptState.CLAIMED)
         _legal("run", RUN_TRANSITIONS, str(run.state), RunState.DISPATCHING)
-        event = {
-            "attempt_id": attempt.pk,
-            "run_id": run.pk,
-            "from_state": str(attempt.state),
-            "to_state": str(AttemptState.CLAIMED),
-            "reason": "claim",
-            "actor": actor[:80],
-        }
-        self._claims.append(_Claimed(attempt=attempt, run=run, lease=lease, event=event))
+        self._claims.append(_Claimed(attempt=attempt, run=run, lease=lease, actor=actor[:80]))
 
     def apply(self, counts: ClaimCounts) -> dict[int, RunLease] | None:
         """Write every claim whose compare-and-sets hold, or nothing when a count grew.
@@ -611,8 +669,8 @@ class ClaimWrites:
         """
         if not self._claims:
             return {}
-        sql, event_fields, lease_fields = _claim_batch_sql()
         claims = self._claims
+        leases = [c.lease for c in claims]
         params: list[Any] = [
             [k for k, _ in counts.sessions],
             [n for _, n in counts.sessions],
@@ -626,29 +684,27 @@ class ClaimWrites:
             [k for k, _, _ in counts.pulls],
             [p for _, p, _ in counts.pulls],
             [t for _, _, t in counts.pulls],
-            [c.attempt.pk for c in claims],
             [c.attempt.version for c in claims],
-            [c.lease.lease_generation for c in claims],
-            [c.run.pk for c in claims],
             [c.run.version for c in claims],
-            str(AttemptState.CLAIMED),
-            str(AttemptState.PENDING),
-            str(RunState.QUEUED),
-            str(RunState.DISPATCHING),
-            str(RunState.QUEUED),
-            *_value_columns([c.event for c in claims], event_fields),
-            *_columns_of([c.lease for c in claims], lease_fields),
+            [c.actor for c in claims],
+            # What `save()` writes for each (leases.claim._new_lease): every
+            # value here is already the column's type, a pull id a UUID.
+            *(_lease_column(field, leases) for field in _lease_fields()[0]),
+            # The history rows' clock: `auto_now_add`, read once for the page.
+            timezone.now(),
+            *_lease_defaults(),
         ]
+        sql = _claim_batch_sql()
         # One text whatever the page (its values are arrays): prepared once per connection.
         with prepared_cursor() as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
         assert row is not None
-        ok, written, runs, events, leases = row
+        ok, written, runs, events, inserted = row
         if not ok:
             return None
         written = set(written or ())
-        lease_ids = {int(attempt_id): int(pk) for attempt_id, pk in leases or ()}
+        lease_ids = {int(attempt_id): int(pk) for attempt_id, pk in inserted or ()}
         if runs != len(written) or events != len(written) or set(lease_ids) != written:
             raise LostRace("a claim was half written")
         out: dict[int, RunLease] = {}

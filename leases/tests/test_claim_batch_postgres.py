@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import threading
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -221,6 +222,85 @@ def test_delivered_claims_are_written_delivered() -> None:
     for outcome, count in [*((o, 0) for o in announced), *((o, 1) for o in pulled)]:
         lease = RunLease.objects.get(pk=int(str(outcome.lease_id)))
         assert (lease.last_delivered_at, lease.delivery_count) == (lease.claimed_at, count)
+
+
+def _columns(row: Any, *, leave_out: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        f.attname: getattr(row, f.attname)
+        for f in row._meta.concrete_fields
+        if f.attname not in leave_out
+    }
+
+
+@pytest.mark.parametrize("pull_id", [None, "6f1f7a36-0000-4000-8000-00000000000a"])
+@pytest.mark.parametrize("delivered", [False, True])
+def test_a_page_writes_every_column_as_a_claim_of_its_own_does(
+    pull_id: str | None, delivered: bool
+) -> None:
+    # The page's statement writes the varying columns from arrays and every
+    # other one from the model's defaults: row for row what `lease_claim`
+    # (the ORM's `save()` values) writes.
+    session = _session(4)
+    single, first, second = _attempts(3)
+    kwargs: dict[str, Any] = {"pull_id": pull_id, "token": "P" * 43} if pull_id else {}
+    (alone,) = _requests([single], session, **kwargs)
+    assert lease_claim(alone, delivered=delivered).status is WON
+    page = lease_claim_many(_requests([first, second], session, **kwargs), delivered=delivered)
+    assert _statuses(page) == [WON, WON]
+    # What differs by nature: ids, the Attempt's own keys and spec (a global claim's
+    # token is derived from its offer id), the clock readings.
+    differs: tuple[str, ...] = (
+        "id",
+        "attempt_id",
+        "run_id",
+        "offer_id",
+        "spec_digest",
+        "claimed_at",
+        "expires_at",
+    )
+    if pull_id is None:
+        differs += ("token_digest",)
+    reference = RunLease.objects.get(attempt=single)
+    for attempt in (first, second):
+        lease = RunLease.objects.get(attempt=attempt)
+        assert _columns(lease, leave_out=(*differs, "last_delivered_at")) == _columns(
+            reference, leave_out=(*differs, "last_delivered_at")
+        )
+        assert lease.expires_at - lease.claimed_at == reference.expires_at - reference.claimed_at
+        assert lease.last_delivered_at == (lease.claimed_at if delivered else None)
+        assert lease.pull_id == (None if pull_id is None else uuid.UUID(pull_id))
+        (event,) = AttemptEvent.objects.filter(attempt=attempt)
+        (alone_event,) = AttemptEvent.objects.filter(attempt=single)
+        event_differs = ("id", "attempt_id", "run_id", "at")
+        assert _columns(event, leave_out=event_differs) == _columns(
+            alone_event, leave_out=event_differs
+        )
+        assert event.at is not None
+
+
+def test_the_page_write_is_planned_once_and_kept_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue #12: a prepared statement PostgreSQL plans again on every execution
+    # (it judged the plan made for the arrays at hand cheaper) costs the server
+    # as much as an unprepared one; and psycopg parses again every execution
+    # a statement over 4,096 characters or 50 parameters.
+    from psycopg import _queries
+
+    from leases.writes import _claim_batch_sql
+
+    text = _claim_batch_sql()
+    assert len(text) <= _queries.MAX_CACHED_STATEMENT_LENGTH
+    assert text.count("%s") <= _queries.MAX_CACHED_STATEMENT_PARAMS
+    session = _session(16)
+    for attempts in [_attempts(2) for _ in range(7)]:  # past PostgreSQL's five custom plans
+        assert _statuses(lease_claim_many(_requests(attempts, session))) == [WON, WON]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE %s",
+            ["%WITH guard AS%"],
+        )
+        ((generic, custom),) = cursor.fetchall()
+    assert (generic, custom) == (7, 0)
 
 
 # ---------------------------------------------------------------- lost races
