@@ -13,12 +13,14 @@ checks against these adapters and the in-memory fakes.
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any, Final
 
 from django.db import connection
@@ -29,7 +31,7 @@ from dispatch.adapters.queue import OrmQueueReader
 from dispatch.core.budget import HARD_CAPS
 from dispatch.core.errors import SpecError
 from dispatch.core.fairness import Rotation, fair_page
-from dispatch.core.placement import validate_placement
+from dispatch.core.placement import Placement, validate_placement
 from dispatch.core.policy import capacity, free_slots
 from dispatch.core.ports import (
     Candidate,
@@ -42,13 +44,15 @@ from dispatch.core.ports import (
     RecoverableLease,
     WorkerRecord,
 )
+from dispatch.core.spec import TaskDefinition, build_spec
 from leases import policy
 from leases.claim import DatabaseClaimPort
 from leases.models import LeaseState, RunLease
 from qinglong.clock import DatabaseClock
+from qinglong.prepared import prepared_cursor, state_literal
 from qinglong.rows import ModelColumns, load_row
 from runs.models import Attempt, AttemptState, Run, RunState, TaskRevision
-from runs.services import attempt_spec
+from runs.services import revision_definition
 from workers.models import (
     SESSION_CURRENT_STATES,
     SessionState,
@@ -134,23 +138,17 @@ class OrmLeaseRecoverySource:
             session=session_uuid is not None, due=due_before is not None, after=after is not None
         )
         adapt = connection.ops.adapt_datetimefield_value
-        params: list[Any] = [
-            adapt(observed_at),
-            *SESSION_CURRENT_STATES,
-            LeaseState.ACTIVE,
-            AttemptState.CLAIMED,
-            RunState.DISPATCHING,
-            False,
-            max_deliveries,
-        ]
+        params: list[Any] = [adapt(observed_at), max_deliveries]
         if session_uuid is not None:
             params.append(_SESSION_ID_FIELD.get_db_prep_value(session_uuid, connection))
         if due_before is not None:
             params.append(adapt(due_before))
         if after is not None:
             params.append(after)
-        params.append(limit + 1)
-        with connection.cursor() as db:
+        params += [False, limit + 1]
+        # Every global cycle reads it: prepared once per connection and shape
+        # (qinglong.prepared); its states are literals (the partial indexes).
+        with prepared_cursor() as db:
             db.execute(sql, params)
             rows = db.fetchall()
         items = tuple(_recovered_row(row) for row in rows[:limit])
@@ -207,21 +205,39 @@ def _recovery_sql(*, session: bool, due: bool, after: bool) -> str:
     def t(model: Any) -> str:
         return str(qn(model._meta.db_table))
 
+    # The active leases that may be due come first, on their own
+    # (MATERIALIZED: the planner cannot fold them into the joins): a plan
+    # that walked the dispatching Runs and probed the leases of each read
+    # every active lease once per Run, a cost that grew with the square of
+    # the leases in flight while the table's statistics were older than
+    # them (issue #12). This way a cycle reads each active lease at most
+    # once, and only the few that may be due meet the other tables.
+    active, current = (
+        state_literal(LeaseState.ACTIVE),
+        ", ".join(state_literal(state) for state in SESSION_CURRENT_STATES),
+    )
+    in_session = (
+        f"AND l.session_id IN (SELECT s0.id FROM {t(WorkerSession)} s0 WHERE s0.session_id = %s) "  # noqa: S608  (names from model metadata; values are parameters)
+        if session
+        else ""
+    )
+    due_sql = "AND (l.last_delivered_at IS NULL OR l.last_delivered_at <= %s) " if due else ""
+    after_sql = "AND l.id > %s " if after else ""
     found = _RECOVERY_SQL[key] = (
-        f"SELECT {', '.join(part.select() for part in _RECOVERY_PARTS)} "  # noqa: S608  (names from model metadata; values are parameters)
-        f"FROM {t(RunLease)} l "
+        f"WITH l AS MATERIALIZED (SELECT * FROM {t(RunLease)} l "  # noqa: S608  (names from model metadata; the states are the models' constants, state_literal; values are parameters)
+        f"WHERE l.state = {active} AND l.expires_at > %s AND l.delivery_count < %s "
+        f"{in_session}{due_sql}{after_sql}) "
+        f"SELECT {', '.join(part.select() for part in _RECOVERY_PARTS)} "
+        f"FROM l "
         f"JOIN {t(WorkerSession)} s ON s.id = l.session_id "
         f"JOIN {t(Attempt)} a ON a.id = l.attempt_id "
         f"JOIN {t(Run)} r ON r.id = l.run_id "
         f"JOIN {t(TaskRevision)} v ON v.id = r.task_revision_id "
-        "WHERE l.expires_at > %s AND s.state IN (%s, %s) "
-        "AND s.generation = l.session_generation AND l.state = %s "
-        "AND a.state = %s AND a.lease_generation = l.lease_generation "
-        "AND r.state = %s AND r.cancel_requested = %s AND l.delivery_count < %s "
-        + ("AND s.session_id = %s " if session else "")
-        + ("AND (l.last_delivered_at IS NULL OR l.last_delivered_at <= %s) " if due else "")
-        + ("AND l.id > %s " if after else "")
-        + "ORDER BY l.id LIMIT %s"
+        f"WHERE s.state IN ({current}) AND s.generation = l.session_generation "
+        f"AND a.state = {state_literal(AttemptState.CLAIMED)} "
+        "AND a.lease_generation = l.lease_generation "
+        f"AND r.state = {state_literal(RunState.DISPATCHING)} AND r.cancel_requested = %s "
+        "ORDER BY l.id LIMIT %s"
     )
     return found
 
@@ -293,32 +309,58 @@ class CycleMemo:
     rotation: Rotation = field(default_factory=lambda: fair_rotation)
 
 
+@dataclass(frozen=True)
+class _RevisionPlan:
+    """A TaskRevision row with what every plan from it needs, worked out once.
+
+    `definition` and `placement`: the row through the one shared validator
+    (`runs.services.revision_definition`, `validate_placement`); None when
+    that validator refuses it (then no plan is ever made from it).
+    """
+
+    revision: TaskRevision
+    definition: TaskDefinition | None
+    placement: Placement | None
+
+
+def _revision_plan(revision: TaskRevision) -> _RevisionPlan:
+    try:
+        return _RevisionPlan(
+            revision, revision_definition(revision), validate_placement(revision.placement)
+        )
+    except SpecError:
+        return _RevisionPlan(revision, None, None)
+
+
 class _Revisions:
     """TaskRevision rows by primary key, kept for this process (issue #12).
 
     A revision never changes (`ImmutableRevision`) and is never deleted while
-    a Run points at it (PROTECT), so a row read once stays true; the cache
-    only saves the read. Bounded (least recently used out), thread-safe.
+    a Run points at it (PROTECT), so a row read once stays true, and so does
+    what the shared validator says of it (`_RevisionPlan`); the cache saves
+    the read and the validation. Bounded (least recently used out), thread-safe.
     """
 
     def __init__(self, size: int = 256) -> None:
         self._size = size
-        self._rows: OrderedDict[int, TaskRevision] = OrderedDict()
+        self._rows: OrderedDict[int, _RevisionPlan] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, pk: int) -> TaskRevision | None:
+    def get(self, pk: int) -> _RevisionPlan | None:
         with self._lock:
-            revision = self._rows.get(pk)
-            if revision is not None:
+            found = self._rows.get(pk)
+            if found is not None:
                 self._rows.move_to_end(pk)
-                return revision
+                return found
         revision = TaskRevision.objects.filter(pk=pk).first()
-        if revision is not None:
-            with self._lock:
-                self._rows[pk] = revision
-                while len(self._rows) > self._size:
-                    self._rows.popitem(last=False)
-        return revision
+        if revision is None:
+            return None
+        found = _revision_plan(revision)
+        with self._lock:
+            self._rows[pk] = found
+            while len(self._rows) > self._size:
+                self._rows.popitem(last=False)
+        return found
 
     def clear(self) -> None:
         """Forget every row (tests: a test database may reuse primary keys)."""
@@ -450,11 +492,6 @@ class OrmWorkerSnapshotSource:
         return Page(items, str(page[-1].worker_id) if more else None)
 
 
-_SESSION_ROW = ModelColumns(
-    WorkerSession,
-    "s",
-    only=("id", "session_id", "worker", "generation", "executor_types", "labels", "slots"),
-)
 _WORKER_PAGE_SQL: dict[tuple[str, bool], str] = {}
 
 
@@ -464,46 +501,83 @@ def _global_worker_page(after: int | None, limit: int) -> Page[WorkerRecord]:
 
     The same rows as the session-scope queryset above: `claimable_sessions_q`
     (the Session online, its Worker active), in worker id order, each with its
-    active leases counted in the same statement.
+    active leases counted in the same statement. Prepared once per connection
+    (its states literals, `qinglong.prepared`); each row becomes its record
+    without a model instance, the Session's JSON read once per distinct text
+    (`_capabilities`).
     """
     key = (connection.vendor, after is not None)
     sql = _WORKER_PAGE_SQL.get(key)
     if sql is None:
         qn = connection.ops.quote_name
         sql = _WORKER_PAGE_SQL[key] = (
-            f"SELECT {_SESSION_ROW.select()}, w.{qn('slots')}, "  # noqa: S608  (names from model metadata; values are parameters)
+            f"SELECT s.{qn('worker_id')}, s.{qn('session_id')}, s.{qn('generation')}, "  # noqa: S608  (names from model metadata; the states are the models' constants, state_literal; values are parameters)
+            f"s.{qn('executor_types')}, s.{qn('labels')}, s.{qn('slots')}, w.{qn('slots')}, "
             f"(SELECT count(*) FROM {qn(RunLease._meta.db_table)} l "
-            f"WHERE l.{qn('session_id')} = s.{qn('id')} AND l.{qn('state')} = %s) "
+            f"WHERE l.{qn('session_id')} = s.{qn('id')} "
+            f"AND l.{qn('state')} = {state_literal(LeaseState.ACTIVE)}) "
             f"FROM {qn(WorkerSession._meta.db_table)} s "
             f"JOIN {qn(Worker._meta.db_table)} w ON w.{qn('id')} = s.{qn('worker_id')} "
-            f"WHERE s.{qn('state')} = %s AND w.{qn('admin_state')} = %s "
+            f"WHERE s.{qn('state')} = {state_literal(SessionState.ONLINE)} "
+            f"AND w.{qn('admin_state')} = {state_literal(WorkerAdminState.ACTIVE)} "
             + (f"AND s.{qn('worker_id')} > %s " if after is not None else "")
             + f"ORDER BY s.{qn('worker_id')} LIMIT %s"
         )
-    params: list[Any] = [LeaseState.ACTIVE, SessionState.ONLINE, WorkerAdminState.ACTIVE]
-    if after is not None:
-        params.append(after)
+    params: list[Any] = [] if after is None else [after]
     params.append(limit + 1)
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         rows = cursor.fetchall()
-    width = len(_SESSION_ROW)
     records = []
-    for row in rows[:limit]:
-        session = _SESSION_ROW.load(row[:width])
-        worker_slots, active = row[width], row[width + 1]
+    for worker_id, session_id, generation, types, labels, slots, worker_slots, active in rows[
+        :limit
+    ]:
+        executor_types, label_map = _capabilities(types, labels)
         records.append(
             WorkerRecord(
-                worker_id=str(session.worker_id),
-                session_id=str(session.session_id),
-                session_generation=session.generation,
-                executor_types=frozenset(str(t) for t in session.executor_types),
-                labels={str(k): str(v) for k, v in dict(session.labels).items()},
-                free_slots=free_slots(capacity(session.slots, worker_slots), int(active)),
+                worker_id=str(worker_id),
+                session_id=_uuid_text(session_id),
+                session_generation=int(generation),
+                executor_types=executor_types,
+                labels=label_map,
+                free_slots=free_slots(capacity(slots, worker_slots), int(active)),
             )
         )
     more = len(rows) > limit
     return Page(tuple(records), records[-1].worker_id if more else None)
+
+
+def _uuid_text(value: Any) -> str:
+    """A UUID column's value as `str(uuid.UUID)` (SQLite stores it as bare hex)."""
+    return str(value if isinstance(value, uuid.UUID) else uuid.UUID(str(value)))
+
+
+_CAPABILITIES: dict[tuple[str, str], tuple[frozenset[str], Mapping[str, str]]] = {}
+_MAX_CAPABILITIES: Final = 1024
+
+
+def _capabilities(types: Any, labels: Any) -> tuple[frozenset[str], Mapping[str, str]]:
+    """A Session's executor types and labels from their JSON columns, as the
+    model's JSON fields decode them. Sessions mostly share a few shapes, so each
+    distinct text is decoded once per process (bounded); the labels are a
+    read-only mapping, shared by every record with the same text."""
+    if not (isinstance(types, str) and isinstance(labels, str)):
+        # Already decoded (a driver that parses JSON itself): nothing to share.
+        return _decoded_capabilities(types, labels)
+    found = _CAPABILITIES.get((types, labels))
+    if found is None:
+        found = _decoded_capabilities(json.loads(types), json.loads(labels))
+        if len(_CAPABILITIES) >= _MAX_CAPABILITIES:
+            _CAPABILITIES.clear()
+        _CAPABILITIES[(types, labels)] = found
+    return found
+
+
+def _decoded_capabilities(types: Any, labels: Any) -> tuple[frozenset[str], Mapping[str, str]]:
+    return (
+        frozenset(str(t) for t in types),
+        MappingProxyType({str(k): str(v) for k, v in dict(labels).items()}),
+    )
 
 
 def session_scope_record(
@@ -557,9 +631,12 @@ class OrmPlanSource:
             raise PlanUnavailable("not a database id")
         remembered = self._remembered(candidate)
         if remembered is not None:
-            attempt, run, revision = remembered
             assert self.memo is not None
             self.memo.rotation.served(candidate.project_id)
+            # The candidate's ids are exactly the rows this cycle read.
+            plan = remembered
+            run_id, attempt_id = candidate.run_id, candidate.attempt_id
+            project_id, task_id = candidate.project_id, candidate.task_id
         else:
             found = (
                 Attempt.objects.select_related("run__task_revision")
@@ -568,30 +645,39 @@ class OrmPlanSource:
             )
             if found is None:
                 raise PlanUnavailable("the attempt or its run is gone")
-            attempt, run, revision = found, found.run, found.run.task_revision
+            run = found.run
+            plan = _revision_plan(run.task_revision)
+            run_id, attempt_id = str(run.pk), str(found.pk)
+            project_id, task_id = str(run.project_id), str(run.task_id)
+        revision = plan.revision
         # The Run is pinned to one revision; a candidate built from another one
         # (drift) must not be materialized from whatever is there now.
         if revision.revision != candidate.task_revision:
             raise PlanUnavailable("the pinned revision does not match the candidate")
-        try:
-            spec = attempt_spec(attempt=attempt, run=run, revision=revision)
-            placement = validate_placement(revision.placement)
-        except SpecError:
+        if plan.definition is None or plan.placement is None:
             # A stored revision the shared validator now refuses cannot be
             # materialized: fail closed for this candidate (docs/adr/0002).
-            raise PlanUnavailable("the pinned revision is not valid") from None
+            raise PlanUnavailable("the pinned revision is not valid")
         return DispatchPlan(
-            run_id=str(run.pk),
-            attempt_id=str(attempt.pk),
-            project_id=str(run.project_id),
-            task_id=str(run.task_id),
+            run_id=run_id,
+            attempt_id=attempt_id,
+            project_id=project_id,
+            task_id=task_id,
             task_revision=revision.revision,
-            spec=spec,
-            placement=placement,
+            # `runs.services.attempt_spec`, from the definition validated once.
+            spec=build_spec(
+                run_id=run_id,
+                attempt_id=attempt_id,
+                project_id=project_id,
+                task_id=task_id,
+                task_revision=revision.revision,
+                definition=plan.definition,
+            ),
+            placement=plan.placement,
         )
 
-    def _remembered(self, candidate: Candidate) -> tuple[Attempt, Run, TaskRevision] | None:
-        """The rows of a candidate this cycle read, exactly as read; the revision
+    def _remembered(self, candidate: Candidate) -> _RevisionPlan | None:
+        """The pinned revision of a candidate this cycle read, exactly as read,
         from `revisions_read`. None for anything else (a recovered lease, a
         candidate this cycle did not read, or one whose identity differs)."""
         if self.memo is None:
@@ -599,18 +685,7 @@ class OrmPlanSource:
         seen = self.memo.candidates.get(candidate.attempt_id)
         if seen is None or seen[0] != candidate:
             return None
-        revision_pk = seen[1]
-        revision = revisions_read.get(revision_pk)
-        if revision is None:
-            return None
-        run = Run(
-            pk=int(candidate.run_id),
-            project_id=int(candidate.project_id),
-            task_id=int(candidate.task_id),
-            task_revision_id=revision_pk,
-        )
-        attempt = Attempt(pk=int(candidate.attempt_id), run_id=run.pk)
-        return attempt, run, revision
+        return revisions_read.get(seen[1])
 
 
 def orm_ports(

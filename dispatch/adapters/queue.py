@@ -278,6 +278,64 @@ class OrmQueueReader:
     def rows(self, wanted: Sequence[RowsWanted]) -> Mapping[str, Sequence[Candidate]]:
         if not wanted:
             return {}
+        if connection.vendor == "postgresql":
+            fetched = self._rows_prepared(wanted)
+        else:
+            fetched = self._rows_union(wanted)
+        found: dict[str, list[Candidate]] = {}
+        for row in fetched:
+            attempt_id, version, generation, run_id, priority, queued_at = row[:6]
+            project_id, task_id, revision_id = row[6:]
+            number, executor_type = self._revisions[str(revision_id)]
+            self._group_of[str(attempt_id)] = str(revision_id)
+            found.setdefault(str(revision_id), []).append(
+                Candidate(
+                    run_id=str(run_id),
+                    attempt_id=str(attempt_id),
+                    project_id=str(project_id),
+                    task_id=str(task_id),
+                    task_revision=number,
+                    executor_type=executor_type,
+                    priority=int(priority),
+                    queued_at=_from_db_datetime(queued_at),
+                    attempt_version=int(version),
+                    lease_generation=int(generation),
+                )
+            )
+        for rows in found.values():
+            # Each branch is ordered; the UNION ALL keeps no promise about it.
+            rows.sort(key=lambda c: (-c.priority, c.queued_at, int(c.run_id)))
+        return found
+
+    def _rows_prepared(self, wanted: Sequence[RowsWanted]) -> list[tuple[Any, ...]]:
+        """PostgreSQL: every group's range in one text whatever the number of
+        groups (a LATERAL over arrays), so it is planned once per connection
+        (qinglong.prepared) instead of on every cycle (issue #12)."""
+        project_ids: list[int] = []
+        revision_ids: list[int] = []
+        priorities: list[int] = []
+        moments: list[datetime] = []
+        run_ids: list[int] = []
+        limits: list[int] = []
+        for want in wanted:
+            # A group read from its start stands after the sentinel key that
+            # sorts before every Run (`_FROM_THE_START`).
+            priority, queued_at, run_id = want.after or _FROM_THE_START
+            project_ids.append(int(want.group.project_id))
+            revision_ids.append(int(want.group.group_id))
+            priorities.append(priority)
+            moments.append(queued_at)
+            run_ids.append(int(run_id))
+            limits.append(want.limit)
+        with prepared_cursor() as cursor:
+            cursor.execute(
+                _rows_sql(),
+                [project_ids, revision_ids, priorities, moments, run_ids, limits, self.observed_at],
+            )
+            return list(cursor.fetchall())
+
+    def _rows_union(self, wanted: Sequence[RowsWanted]) -> list[tuple[Any, ...]]:
+        """Elsewhere (SQLite): one `UNION ALL` branch per group."""
         run, attempt = _t(Run), _t(Attempt)
         branches: list[str] = []
         params: list[Any] = []
@@ -312,28 +370,36 @@ class OrmQueueReader:
             branches.append(sql)
         with connection.cursor() as cursor:
             cursor.execute(" UNION ALL ".join(branches), params)
-            fetched = cursor.fetchall()
-        found: dict[str, list[Candidate]] = {}
-        for row in fetched:
-            attempt_id, version, generation, run_id, priority, queued_at = row[:6]
-            project_id, task_id, revision_id = row[6:]
-            number, executor_type = self._revisions[str(revision_id)]
-            self._group_of[str(attempt_id)] = str(revision_id)
-            found.setdefault(str(revision_id), []).append(
-                Candidate(
-                    run_id=str(run_id),
-                    attempt_id=str(attempt_id),
-                    project_id=str(project_id),
-                    task_id=str(task_id),
-                    task_revision=number,
-                    executor_type=executor_type,
-                    priority=int(priority),
-                    queued_at=_from_db_datetime(queued_at),
-                    attempt_version=int(version),
-                    lease_generation=int(generation),
-                )
-            )
-        for rows in found.values():
-            # Each branch is ordered; the UNION ALL keeps no promise about it.
-            rows.sort(key=lambda c: (-c.priority, c.queued_at, int(c.run_id)))
-        return found
+            return list(cursor.fetchall())
+
+
+# Before every Run in (priority DESC, queued_at, id): the highest priority a
+# column can hold, the earliest moment, no id (every real queued_at is later).
+_FROM_THE_START: Final = (2**31 - 1, datetime(1, 1, 1, tzinfo=UTC), "0")
+_ROWS_SQL: dict[str, str] = {}
+
+
+def _rows_sql() -> str:
+    """The rows of every wanted group on PostgreSQL: for each (project, revision,
+    after-key, limit) of the arrays, the group's first candidates after that key,
+    an ordered range of `run_queue_group` (its state a literal: the generic plan
+    keeps the partial index)."""
+    found = _ROWS_SQL.get(connection.vendor)
+    if found is None:
+        found = _ROWS_SQL[connection.vendor] = (
+            "SELECT g.* FROM unnest(%s::bigint[], %s::bigint[], %s::integer[], "  # noqa: S608  (table names from model metadata; the states are the models' constants, state_literal)
+            "%s::timestamptz[], %s::bigint[], %s::integer[]) "
+            "AS w(project_id, revision_id, priority, queued_at, run_id, lim) "
+            "CROSS JOIN LATERAL (SELECT a.id, a.version, a.lease_generation, r.id AS run_id, "
+            "r.priority, r.queued_at, r.project_id, r.task_id, r.task_revision_id "
+            f"FROM {_t(Run)} r JOIN {_t(Attempt)} a ON a.run_id = r.id "
+            f"WHERE r.state = {state_literal(RunState.QUEUED)} "
+            "AND r.project_id = w.project_id AND r.task_revision_id = w.revision_id "
+            f"AND a.state = {state_literal(AttemptState.PENDING)} AND NOT r.cancel_requested "
+            "AND (a.not_before IS NULL OR a.not_before <= %s::timestamptz) "
+            # The exact successor of the after-key in (priority DESC, queued_at, id).
+            "AND r.priority <= w.priority AND (r.priority < w.priority "
+            "OR r.queued_at > w.queued_at OR (r.queued_at = w.queued_at AND r.id > w.run_id)) "
+            "ORDER BY r.priority DESC, r.queued_at, r.id LIMIT w.lim) g"
+        )
+    return found

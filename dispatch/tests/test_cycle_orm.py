@@ -471,3 +471,28 @@ def test_query_count_of_a_full_cluster_cycle_does_not_grow_with_the_backlog() ->
         assert result.counts.plans_built == 0
         counts.append(len(queries.captured_queries))
     assert counts[0] == counts[1]
+
+
+def test_a_revision_is_validated_once_for_every_plan_made_from_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue #12: a revision never changes, so what the shared validator says
+    # of it holds for every Run pinned to it (the rows read are kept per process).
+    from runs.services import revision_definition as original
+
+    validated: list[int] = []
+
+    def counting(revision: Any) -> Any:
+        validated.append(revision.pk)
+        return original(revision)
+
+    monkeypatch.setattr("dispatch.adapters.orm.revision_definition", counting)
+    task = testing.make_task()
+    runs = [testing.make_run(task) for _ in range(6)]
+    _sessions(3, slots=2)
+    offers = [*dispatch_cycle(scope=GLOBAL).offers, *dispatch_cycle(scope=GLOBAL).offers]
+    assert sorted(o.run_id for o in offers) == sorted(str(r.pk) for r in runs)
+    assert validated == [task.current_revision_id]
+    # Every spec is still its own Run's, built from that one validation.
+    for offer in offers:
+        assert (offer.spec["run_id"], offer.spec["attempt_id"]) == (offer.run_id, offer.attempt_id)

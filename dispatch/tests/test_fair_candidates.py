@@ -108,6 +108,22 @@ def test_priority_orders_runs_within_a_project_across_its_revisions(store: Store
     assert read(store.ports(), limit=1) == [high, elsewhere, tie, low]
 
 
+def test_the_highest_and_lowest_priorities_are_read_in_order(
+    store: StoreBuilder,
+) -> None:
+    # The PostgreSQL read starts each group after a key that sorts before
+    # every Run (a priority above any a Run may have): the highest and lowest
+    # priorities an enqueue accepts are read, in order.
+    task = store.add_task()
+    t0 = store.now() - seconds(100)
+    lowest = store.add_run(task, priority=-1000, queued_at=t0)[1]
+    highest = store.add_run(task, priority=1000, queued_at=t0 + seconds(5))[1]
+    tie = store.add_run(task, priority=1000, queued_at=t0 + seconds(5))[1]
+    store.add_worker(slots=8)
+    for limit in (1, 2, 8):
+        assert read(store.ports(), limit=limit) == [highest, tie, lowest], limit
+
+
 def test_without_a_scope_every_queued_run_is_listed_in_the_same_order(store: StoreBuilder) -> None:
     full = store.add_task(max_concurrent_runs=1)
     nowhere = store.add_task(placement={"required_labels": {"gpu": "a100"}})

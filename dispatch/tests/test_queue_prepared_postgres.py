@@ -1,4 +1,4 @@
-"""The fair walk is prepared once per connection with its states as literals (issue 12).
+"""The cycle's reads are prepared once per connection with their states as literals (issue 12).
 
 PostgreSQL soon runs a prepared statement with a generic plan; a state passed
 as a parameter would keep that plan off the partial indexes over queued Runs
@@ -10,8 +10,11 @@ from __future__ import annotations
 import pytest
 from django.db import connection
 
+from dispatch.adapters.orm import OrmLeaseRecoverySource, OrmWorkerSnapshotSource
 from dispatch.adapters.queue import OrmQueueReader
+from dispatch.core.fairness import RowsWanted
 from dispatch.core.ports import DispatchScope, SessionRef
+from dispatch.cycles import dispatch_cycle
 from qinglong import testing
 from qinglong.clock import db_now
 
@@ -47,3 +50,76 @@ def test_the_walk_is_prepared_once_per_scope_kind_with_literal_states() -> None:
         assert "r.state = 'queued'" in text, text
         # What is left as parameters: keys, the cursor, caps and clocks; no state.
         assert "state = $" not in text and "state IN ($" not in text, text
+
+
+def _prepared(like: str) -> list[tuple[str, int, int]]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE %s",
+            [like],
+        )
+        return list(cursor.fetchall())
+
+
+def _no_state_parameter(text: str) -> None:
+    assert "state = $" not in text and "state IN ($" not in text, text
+
+
+def test_the_rows_of_any_number_of_groups_are_one_prepared_statement() -> None:
+    # Its text used to grow a UNION ALL branch per group: planned anew each cycle.
+    tasks = [testing.make_task() for _ in range(3)]
+    runs = {task.pk: [testing.make_run(task, priority=p) for p in (0, 5)] for task in tasks}
+    testing.open_session(slots=8)
+    reader = OrmQueueReader(observed_at=db_now(), scope=None)
+    groups, _more = reader.walk(start=None, cap=8)
+    assert len(groups) == 3
+    for _ in range(3):
+        for chosen in (groups[:1], groups):
+            found = reader.rows([RowsWanted(group, None, 8) for group in chosen])
+            assert sorted(found) == sorted(group.group_id for group in chosen)
+            for group in chosen:
+                high, low = runs[int(group.task_id)][1], runs[int(group.task_id)][0]
+                assert [c.run_id for c in found[group.group_id]] == [str(high.pk), str(low.pk)]
+    ((text, generic, custom),) = _prepared("%CROSS JOIN LATERAL%")
+    assert generic + custom == 6
+    assert "r.state = 'queued'" in text
+    _no_state_parameter(text)
+
+
+def test_a_global_cycle_prepares_its_recovery_and_worker_reads() -> None:
+    task = testing.make_task()
+    for _ in range(30):
+        testing.make_run(task)
+    for _ in range(2):
+        worker, _ = testing.make_worker(slots=16)
+        testing.open_session(worker, slots=16)
+    for _ in range(3):  # each claims its budget of 8, reading both Worker pages
+        assert dispatch_cycle(scope=DispatchScope.global_()).counts.claims_won == 8
+    recovery = _prepared("WITH l AS MATERIALIZED%")
+    workers = _prepared('%FROM "workers_workersession" s JOIN%ORDER BY s."worker_id" LIMIT%')
+    assert [runs for _, g, c in recovery for runs in (g + c,)] == [3]
+    assert [g + c for _, g, c in workers] == [3]
+    for text, _, _ in (*recovery, *workers):
+        _no_state_parameter(text)
+    # Each still answers as its port says (the contract suite checks the rest).
+    assert (
+        OrmLeaseRecoverySource()
+        .recover_page(
+            scope=DispatchScope.global_(),
+            observed_at=db_now(),
+            due_before=None,
+            max_deliveries=5,
+            cursor=None,
+            limit=8,
+        )
+        .items
+    )
+    assert (
+        len(
+            OrmWorkerSnapshotSource()
+            .worker_page(scope=DispatchScope.global_(), cursor=None, limit=8)
+            .items
+        )
+        == 2
+    )
