@@ -90,7 +90,7 @@ def dispatch_once(
        plan's identity must be exactly the persisted candidate's.
     6. `_required_placement`: the placement must require the candidate's
        executor type (added when absent, rejected when it conflicts).
-    7. `_Cycle.rank_workers`: eligible Workers by placement score (desc), free
+    7. `_Cycle.best_worker`: eligible Workers by placement score (desc), free
        slots (desc), worker id (asc); each candidate of a page is placed on
        the best Worker with a slot no earlier candidate of the page was
        promised (`_Cycle._gather`).
@@ -171,6 +171,10 @@ class _Cycle:
         self.truncation: CycleReason | None = None
         self.rejected: CycleReason | None = None
         self.free_slots: dict[str, int] = {}
+        # The Worker snapshot's records with their kinds and sort keys (`best_worker`).
+        self._kinds: (
+            tuple[list[WorkerRecord], list[tuple[WorkerRecord, int, tuple[int, int, str]]]] | None
+        ) = None
 
     # -- step 1: recovery -------------------------------------------------------
 
@@ -418,15 +422,15 @@ class _Cycle:
                 placed = page.next_placed(self)
                 if placed is None:
                     return
-                ranked = self.rank_workers(placed.placement, workers, promised, placed.tried)
-                if not ranked:
-                    if self.rank_workers(placed.placement, workers, self.free_slots, placed.tried):
+                best = self.best_worker(placed.placement, workers, promised, placed.tried)
+                if best is None:
+                    if self.best_worker(placed.placement, workers, self.free_slots, placed.tried):
                         deferred.append(placed)  # its slots were promised to earlier ones
                     elif not placed.tried:
                         self._skip(CycleReason.NO_ELIGIBLE_WORKER)
                     # else: tried everywhere it could go, each loss noted: done.
                     continue
-                score, record, _ = ranked[0]
+                score, record = best
                 page.batch.append((placed, score, record))
                 promised[record.worker_id] -= 1
         finally:
@@ -459,26 +463,56 @@ class _Cycle:
 
     # Step 5 is `_checked_spec`, step 6 `_required_placement` (pure, below).
 
-    def rank_workers(
+    def best_worker(
         self,
         placement: Placement,
         workers: list[WorkerRecord],
         free_slots: Mapping[str, int],
         excluded: AbstractSet[str],
-    ) -> list[tuple[int, WorkerRecord, int]]:
-        """Step 7: (score, record, free slots) of every eligible Worker, best first."""
-        eligible: list[tuple[int, WorkerRecord, int]] = []
-        for record in workers:
+    ) -> tuple[int, WorkerRecord] | None:
+        """Step 7: (score, record) of the best eligible Worker — placement score
+        desc, free slots desc, worker id asc — or None when none is eligible."""
+        # Workers with the same executor types and labels score the same: each
+        # kind is scored once per candidate, not each Worker (`_kinds`).
+        scores: dict[int, int | None] = {}
+        best: tuple[int, int, tuple[int, int, str]] | None = None
+        chosen: tuple[int, WorkerRecord] | None = None
+        for record, kind, id_key in self._ranked_workers(workers):
             free = free_slots[record.worker_id]
             if free <= 0 or record.worker_id in excluded:
                 continue
-            score = placement_score(
-                placement, executor_types=record.executor_types, labels=record.labels
-            )
-            if score is not None:
-                eligible.append((score, record, free))
-        eligible.sort(key=_worker_rank)
-        return eligible
+            if kind in scores:
+                score = scores[kind]
+            else:
+                score = scores[kind] = placement_score(
+                    placement, executor_types=record.executor_types, labels=record.labels
+                )
+            if score is None:
+                continue
+            rank = (-score, -free, id_key)
+            if best is None or rank < best:
+                best, chosen = rank, (score, record)
+        return chosen
+
+    def _ranked_workers(
+        self, workers: list[WorkerRecord]
+    ) -> list[tuple[WorkerRecord, int, tuple[int, int, str]]]:
+        """Each Worker with its kind (same executor types and labels: same score)
+        and its id's sort key, worked out once per snapshot."""
+        if self._kinds is None or self._kinds[0] is not workers:
+            kinds: dict[tuple[frozenset[str], frozenset[tuple[str, str]]], int] = {}
+            rows = [
+                (
+                    record,
+                    kinds.setdefault(
+                        (record.executor_types, frozenset(record.labels.items())), len(kinds)
+                    ),
+                    id_sort_key(record.worker_id),
+                )
+                for record in workers
+            ]
+            self._kinds = (workers, rows)
+        return self._kinds[1]
 
     def claim_batch(self, page: _ClaimPage) -> None:
         """Step 8: claim the page's pairs with the chosen Registry records' worker,
@@ -662,12 +696,6 @@ def _required_placement(plan: DispatchPlan, candidate: Candidate) -> Placement:
     if not isinstance(plan.placement, Placement):
         raise PlacementError("placement", "the plan carries no Placement")
     return normalize_placement(plan.placement, candidate.executor_type)
-
-
-def _worker_rank(item: tuple[int, WorkerRecord, int]) -> tuple[int, int, tuple[int, int, str]]:
-    score, record, free = item
-    # Step 7: score desc, free slots desc, worker id asc — deterministic.
-    return (-score, -free, id_sort_key(record.worker_id))
 
 
 def _offer_id(candidate: Candidate, lease_generation: int, session: SessionRef) -> str:

@@ -220,6 +220,35 @@ def test_equal_scores_prefer_more_free_slots_then_numeric_worker_id() -> None:
     assert [c.worker_id for c in claims_of(ports)] == ["10"]
 
 
+def test_workers_of_one_kind_are_scored_once_per_candidate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue #12: ranking 64 alike Workers per candidate scored each of them;
+    # Workers with the same executor types and labels score the same.
+    from dispatch.core.placement import placement_score as original
+
+    scored: list[frozenset[str]] = []
+
+    def counting(placement: Placement, **record: object) -> int | None:
+        scored.append(frozenset(record))
+        return original(placement, **record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("dispatch.core.cycle.placement_score", counting)
+    store = FakeStore()
+    for _ in range(5):
+        store.add_worker(labels={"zone": "a"}, slots=1)
+    ssd = [store.add_worker(labels={"zone": "a", "disk": "ssd"}, slots=1) for _ in range(2)]
+    enqueue(store, 3, placement={"preferred": [{"labels": {"disk": "ssd"}, "weight": 5}]})
+    ports = store.ports()
+    result = run(ports)
+    # Two kinds, three candidates: six scores, not 3 x 7 (fewer once slots fill).
+    assert len(scored) <= 6
+    # And still the best first: the two ssd Workers, then the lowest id.
+    assert [c.worker_id for c in claims_of(ports)][:2] == [ssd[0].worker_id, ssd[1].worker_id]
+    assert [c.placement_score for c in claims_of(ports)] == [5, 5, 0]
+    assert result.counts.claims_won == 3
+
+
 def test_absent_placement_executor_type_is_required_of_workers() -> None:
     store = FakeStore()
     store.add_worker(executor_types=("docker",))
