@@ -397,6 +397,26 @@ def _cpu_by_process(procs: Processes) -> dict[str, tuple[float, float]]:
     return {name: _group_cpu(proc.pid) for name, proc in procs.procs.items()}
 
 
+def _backends_cpu(db: str) -> dict[int, float]:
+    """CPU seconds so far of each PostgreSQL backend connected to `db` but this
+    process's own (the server runs on this box; the servers' connections are
+    persistent, DB_CONN_MAX_AGE)."""
+    from django.db import connection
+
+    connection.ensure_connection()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            [db],
+        )
+        pids = [int(row[0]) for row in cursor.fetchall()]
+    found: dict[int, float] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found[pid] = pid_cpu(pid)
+    return found
+
+
 def _xact_commits(db: str) -> int:
     from django.db import connection
 
@@ -614,6 +634,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
 
     log("dispatch resumed: draining")
     cpu_before = _cpu_by_process(procs)
+    backends_before = _backends_cpu(E2E_DB)
     polls = 0
     started = time.perf_counter()
     dispatch_set_paused(paused=False, reason="", actor="bench")
@@ -632,6 +653,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         time.sleep(args.check_interval)
     seconds = time.perf_counter() - started
     cpu_after = _cpu_by_process(procs)
+    backends_after = _backends_cpu(E2E_DB)
     log(f"  {args.runs / seconds:.1f} Runs/s")
     # CPU ms per Run over the drain, by process kind (agents: their own threads
     # and, apart, their reaped `true` children).
@@ -644,6 +666,12 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
             cpu_ms["agents_children"] = (
                 cpu_ms.get("agents_children", 0.0) + 1000 * (kids - kids0) / args.runs
             )
+    # The servers' PostgreSQL backends (a backend opened during the drain counts
+    # from its start; one closed during it is missed).
+    cpu_ms["postgres_backends"] = sum(
+        1000 * (cpu - backends_before.get(pid, 0.0)) / args.runs
+        for pid, cpu in backends_after.items()
+    )
     idle: dict[str, Any] | None = None
     if args.idle_s > 0:
         time.sleep(1.1)  # let the backends' statistics reach pg_stat_database
