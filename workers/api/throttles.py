@@ -60,7 +60,7 @@ def _redis_window_hit(cache: RedisCache, key: str, duration: int) -> tuple[int, 
     redis_key = backend.make_and_validate_key(key)
     client = backend._cache.get_client(redis_key, write=True)
     pipe = client.pipeline(transaction=True)
-    # Django's Redis serializer stores an int as a plain integer: INCR-able,
+    # A plain integer, as Django's Redis serializer stores ints: INCR-able,
     # and `cache.get` reads it back.
     pipe.set(redis_key, 0, ex=duration, nx=True)
     pipe.incr(redis_key)
@@ -101,8 +101,7 @@ class _PrincipalThrottle(SimpleRateThrottle):
             return True
 
     def _window_allows(self, request: Request, view: Any) -> bool:
-        # Read per request (see the module docstring), not once per class.
-        self.rate = self.get_rate()
+        # DRF builds the throttle per request, reading the rate (`get_rate`).
         if self.rate is None:
             return True
         limit, duration = self.parse_rate(self.rate)
