@@ -179,8 +179,8 @@ class Gunicorn:
                 self.proc.wait()
 
 
-def _backends_cpu(own: int) -> float:
-    """CPU seconds so far of every backend of the bench database but `own`."""
+def _backends_cpu(own: int) -> dict[int, float]:
+    """CPU seconds so far of each backend of the bench database but `own`."""
     from django.db import connection
 
     with connection.cursor() as cursor:
@@ -188,18 +188,20 @@ def _backends_cpu(own: int) -> float:
             "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> %s", [BENCH_DB, own]
         )
         pids = [int(pid) for (pid,) in cursor.fetchall()]
-    total = 0.0
+    found = {}
     for pid in pids:
         try:
-            total += pid_cpu(pid)
+            found[pid] = pid_cpu(pid)
         except OSError:  # pragma: no cover - a backend that just ended
             continue
-    return total
+    return found
 
 
 def measure_server_rounds(each_round: Round, rounds: int, server: Gunicorn) -> Samples:
     """As `_measure.measure_rounds`, but the CPU is the gunicorn worker's and the
-    PostgreSQL backends' (a backend that ends inside a call loses its share)."""
+    PostgreSQL backends': each backend's growth over the call, a new one's from
+    zero (a backend that ends inside a call, its connection past
+    DB_CONN_MAX_AGE, loses that call's share)."""
     from django.db import connection
 
     connection.ensure_connection()
@@ -212,7 +214,8 @@ def measure_server_rounds(each_round: Round, rounds: int, server: Gunicorn) -> S
         call()
         samples[kind]["wall"].append(time.perf_counter() - wall)
         samples[kind]["cpu"].append(pid_cpu(server.worker) - cpu)
-        samples[kind]["pg"].append(_backends_cpu(own) - pg)
+        after = _backends_cpu(own)
+        samples[kind]["pg"].append(sum(used - pg.get(pid, 0.0) for pid, used in after.items()))
 
     for _ in range(rounds):
         each_round(measure)
