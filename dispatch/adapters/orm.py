@@ -27,7 +27,7 @@ from django.db import connection
 from django.db.models import Count, IntegerField, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
-from dispatch.adapters.queue import OrmQueueReader
+from dispatch.adapters.queue import OrmQueueReader, active_leases_by_session_sql
 from dispatch.core.budget import HARD_CAPS
 from dispatch.core.errors import SpecError
 from dispatch.core.fairness import Rotation, fair_page
@@ -501,7 +501,8 @@ def _global_worker_page(after: int | None, limit: int) -> Page[WorkerRecord]:
 
     The same rows as the session-scope queryset above: `claimable_sessions_q`
     (the Session online, its Worker active), in worker id order, each with its
-    active leases counted in the same statement. Prepared once per connection
+    active leases counted in the same statement (`active_leases_by_session_sql`).
+    Prepared once per connection
     (its states literals, `qinglong.prepared`); each row becomes its record
     without a model instance, the Session's JSON read once per distinct text
     (`_capabilities`).
@@ -513,11 +514,10 @@ def _global_worker_page(after: int | None, limit: int) -> Page[WorkerRecord]:
         sql = _WORKER_PAGE_SQL[key] = (
             f"SELECT s.{qn('worker_id')}, s.{qn('session_id')}, s.{qn('generation')}, "  # noqa: S608  (names from model metadata; the states are the models' constants, state_literal; values are parameters)
             f"s.{qn('executor_types')}, s.{qn('labels')}, s.{qn('slots')}, w.{qn('slots')}, "
-            f"(SELECT count(*) FROM {qn(RunLease._meta.db_table)} l "
-            f"WHERE l.{qn('session_id')} = s.{qn('id')} "
-            f"AND l.{qn('state')} = {state_literal(LeaseState.ACTIVE)}) "
+            "COALESCE(c.n, 0) "
             f"FROM {qn(WorkerSession._meta.db_table)} s "
             f"JOIN {qn(Worker._meta.db_table)} w ON w.{qn('id')} = s.{qn('worker_id')} "
+            f"LEFT JOIN ({active_leases_by_session_sql()}) c ON c.session_id = s.{qn('id')} "
             f"WHERE s.{qn('state')} = {state_literal(SessionState.ONLINE)} "
             f"AND w.{qn('admin_state')} = {state_literal(WorkerAdminState.ACTIVE)} "
             + (f"AND s.{qn('worker_id')} > %s " if after is not None else "")

@@ -15,8 +15,11 @@ candidate page, whatever the backlog.
    `placement_matches`). The Sessions are read once per statement, in SQL;
    nothing loads them.
 2. **The rows** (`rows`): for each chosen group, its first candidates after
-   this cycle's position in its Project, one `UNION ALL` branch per group,
-   each an ordered range of the same index with a LIMIT.
+   this cycle's position in its Project, each an ordered range of the same
+   index with a LIMIT: on PostgreSQL one prepared text whatever the number
+   of groups (a LATERAL over arrays of the groups and their positions, a
+   group read from its start placed after a key before every Run), elsewhere
+   one `UNION ALL` branch per group.
 
 The SQL is written per database vendor where JSON is involved (PostgreSQL
 `jsonb` containment; SQLite's `json_each`); everything else is the same text.
@@ -41,6 +44,7 @@ from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
 __all__ = [
     "OrmQueueReader",
+    "active_leases_by_session_sql",
     "placement_matches",
     "project_busy_sql",
     "servable_sessions_cte",
@@ -77,36 +81,62 @@ def _from_db_datetime(value: Any) -> datetime:
 # ------------------------------------------------------- shared SQL fragments
 
 
+def active_leases_by_session_sql() -> str:
+    """SQL: `(session_id, n)`, the active leases of every Session that has some.
+
+    One pass over the active leases (`runlease_active_session`), grouped,
+    for a statement that counts the slots of many Sessions: a count per
+    Session row costs the same with good statistics, but a plan made while
+    the statistics knew no leases (analysed when there were none, before
+    the cycle's own claims) counted each Session by reading every active
+    lease, a cost of Sessions times leases in flight (issue #12).
+    """
+    return (
+        f"SELECT l.session_id, count(*) AS n FROM {_t(RunLease)} l "  # noqa: S608  (names from model metadata; the state is the model's constant, state_literal)
+        f"WHERE l.state = {state_literal(LeaseState.ACTIVE)} GROUP BY l.session_id"
+    )
+
+
 def servable_sessions_cte(scope: DispatchScope) -> tuple[str, list[Any]]:
     """`servable(executor_types, labels)`: the Sessions in scope that take claims
     now and have a free slot (min(Session, Worker slots) minus active leases, as the
     Worker snapshot counts). Returns the CTE body and its parameters."""
     least = "LEAST" if connection.vendor == "postgresql" else "MIN"
-    sql = (
-        f"SELECT s.executor_types AS executor_types, s.labels AS labels "  # noqa: S608  (table names from model metadata)
+    select = (
+        "SELECT s.executor_types AS executor_types, s.labels AS labels "  # noqa: S608  (table names from model metadata)
         f"FROM {_t(WorkerSession)} s JOIN {_t(Worker)} w ON w.id = s.worker_id "
+    )
+    takes_claims = (
         f"WHERE s.state = {state_literal(SessionState.ONLINE)} "
         f"AND w.admin_state = {state_literal(WorkerAdminState.ACTIVE)} "
-        f"AND (SELECT count(*) FROM {_t(RunLease)} l "
+    )
+    if scope.session is None:
+        # Every Session: their active leases counted in one pass, grouped.
+        return (
+            f"{select}LEFT JOIN ({active_leases_by_session_sql()}) c ON c.session_id = s.id "
+            f"{takes_claims}AND COALESCE(c.n, 0) < {least}(s.slots, w.slots)",
+            [],
+        )
+    sql = (
+        f"{select}{takes_claims}AND (SELECT count(*) FROM {_t(RunLease)} l "  # noqa: S608  (table names from model metadata)
         f"WHERE l.session_id = s.id AND l.state = {state_literal(LeaseState.ACTIVE)}) "
         f"< {least}(s.slots, w.slots)"
     )
     params: list[Any] = []
-    if scope.session is not None:
-        ref = scope.session
-        try:
-            session_uuid = uuid.UUID(ref.session_id)
-        except ValueError:
-            session_uuid = None
-        if session_uuid is None or not ref.worker_id.isdigit():
-            return sql + " AND 1 = 0", params
-        field = WorkerSession._meta.get_field("session_id")
-        sql += " AND s.session_id = %s AND s.worker_id = %s AND s.generation = %s"
-        params += [
-            field.get_db_prep_value(session_uuid, connection),
-            int(ref.worker_id),
-            ref.session_generation,
-        ]
+    ref = scope.session
+    try:
+        session_uuid = uuid.UUID(ref.session_id)
+    except ValueError:
+        session_uuid = None
+    if session_uuid is None or not ref.worker_id.isdigit():
+        return sql + " AND 1 = 0", params
+    field = WorkerSession._meta.get_field("session_id")
+    sql += " AND s.session_id = %s AND s.worker_id = %s AND s.generation = %s"
+    params += [
+        field.get_db_prep_value(session_uuid, connection),
+        int(ref.worker_id),
+        ref.session_generation,
+    ]
     return sql, params
 
 

@@ -7,14 +7,18 @@ and active leases (`qinglong.prepared.state_literal`).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.db import connection
 
+from dispatch.adapters import orm as orm_module
 from dispatch.adapters.orm import OrmLeaseRecoverySource, OrmWorkerSnapshotSource
-from dispatch.adapters.queue import OrmQueueReader
+from dispatch.adapters.queue import OrmQueueReader, servable_sessions_cte
 from dispatch.core.fairness import RowsWanted
 from dispatch.core.ports import DispatchScope, SessionRef
 from dispatch.cycles import dispatch_cycle
+from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 
@@ -123,3 +127,48 @@ def test_a_global_cycle_prepares_its_recovery_and_worker_reads() -> None:
         )
         == 2
     )
+
+
+def _lease_rows_read(plan: dict[str, object]) -> int:
+    """Lease rows a plan's scans of `dispatch_runlease` looked at, every loop counted."""
+    seen = 0
+    if plan.get("Relation Name") == "dispatch_runlease":
+        loops = int(plan.get("Actual Loops", 1))  # type: ignore[call-overload]
+        rows = int(plan.get("Actual Rows", 0)) + int(plan.get("Rows Removed by Filter", 0))  # type: ignore[call-overload]
+        seen += rows * loops
+    for child in plan.get("Plans", ()):  # type: ignore[attr-defined]
+        seen += _lease_rows_read(child)
+    return seen
+
+
+def test_slot_counts_read_each_active_lease_once_under_statistics_older_than_the_leases() -> None:
+    # Issue #12: analysed while no lease existed (a fresh database, a quiet
+    # night), the plan counted each Session's slots by reading every active
+    # lease: Sessions x leases in flight per Worker page and walk.
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE dispatch_runlease")
+    task = testing.make_task()
+    for _ in range(40):
+        testing.make_run(task)
+    for _ in range(6):
+        worker, _ = testing.make_worker(slots=8)
+        testing.open_session(worker, slots=8)
+    for _ in range(4):
+        dispatch_cycle(scope=DispatchScope.global_())
+    active = RunLease.objects.filter(state=LeaseState.ACTIVE).count()
+    assert active == 32
+    assert (
+        OrmWorkerSnapshotSource()
+        .worker_page(scope=DispatchScope.global_(), cursor=None, limit=8)
+        .items
+    )  # writes its text once
+    statements = [
+        (next(iter(orm_module._WORKER_PAGE_SQL.values())), [9]),
+        (*servable_sessions_cte(DispatchScope.global_()),),
+    ]
+    for sql, params in statements:
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+            (document,) = cursor.fetchone()
+        plan = (json.loads(document) if isinstance(document, str) else document)[0]["Plan"]
+        assert _lease_rows_read(plan) <= active, sql
