@@ -430,20 +430,29 @@ def validate_spec(raw: Mapping[str, object]) -> dict[str, object]:
     return spec
 
 
-def _plain(value: object) -> object:
-    # Offers keep their spec frozen (MappingProxyType, tuples); json wants dicts/lists.
+def _as_dict(value: object) -> object:
+    # Offers keep their spec frozen (MappingProxyType, tuples): json encodes
+    # tuples as arrays itself and asks here only for what it cannot encode.
     if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    return value
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def canonical_json(spec: Mapping[str, object]) -> bytes:
     """The canonical JSON every spec digest is taken over: sorted keys, no
-    insignificant whitespace, UTF-8."""
+    insignificant whitespace, UTF-8.
+
+    Containers are encoded as they are (a mapping that is not a dict as its
+    dict) instead of being copied into plain ones first: every cycle digests
+    each offer's spec, and the copy cost more than the encoding (issue #12).
+    """
     return json.dumps(
-        _plain(spec), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        spec,
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+        default=_as_dict,
     ).encode("utf-8")
 
 
