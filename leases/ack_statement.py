@@ -263,7 +263,9 @@ def _sql(phase: str, *, held: bool) -> str:
                    {clock} AS now
             FROM {run} r, {revision} v, {attempt} a, {session} s, {lease} l
             WHERE l.id = (SELECT x.id FROM {lease} x WHERE x.offer_id = %s::varchar)
-              AND l.session_id = %s::bigint
+              -- `+ 0`: a filter, never an index condition (the Session's
+              -- every lease ever), so the lease is read by its key.
+              AND l.session_id + 0 = %s::bigint
               AND r.id = l.run_id AND v.id = r.task_revision_id
               AND a.id = l.attempt_id AND s.id = l.session_id
             {locks}
