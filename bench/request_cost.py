@@ -1,7 +1,8 @@
-"""CPU cost of one Worker API request, in process, on PostgreSQL (issue #12).
+"""CPU cost of one Worker API request, in process or under gunicorn, on PostgreSQL (issue #12).
 
-    .venv/bin/python bench/request_cost.py                 # about a minute
-    .venv/bin/python bench/request_cost.py --profile 400   # + where the CPU goes
+    .venv/bin/python bench/request_cost.py                   # about a minute
+    .venv/bin/python bench/request_cost.py --profile 400     # + where the CPU goes
+    .venv/bin/python bench/request_cost.py --server gunicorn # over HTTP to gunicorn
 
 End to end through REST, every process of the box shares two cores: what
 bounds Runs/s is the CPU each Run costs, summed over processes. This script
