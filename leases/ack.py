@@ -13,7 +13,6 @@ rendered from it, so neither can drift from the use case.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -42,7 +41,7 @@ from leases.errors import (
     LostRace,
     Outcome,
 )
-from leases.locks import LeaseChain, lock_lease_for_ack, lock_leases_of_acks
+from leases.locks import LeaseChain, lock_lease_for_ack, lock_leases_for_acks
 from leases.models import LeaseState, RunLease
 from leases.timeout import attempt_overdue
 from leases.transitions import AttemptReport, lease_transition
@@ -213,9 +212,7 @@ class AckItem:
     output_tail: str = ""
 
 
-def _in_one_statement(
-    item: AckItem, *, session: WorkerSession, held_since: datetime | None = None
-) -> OneStatementAck | None:
+def _in_one_statement(item: AckItem, *, session: WorkerSession) -> OneStatementAck | None:
     """`leases.ack_statement`: the ACK applied in one statement, or None (nothing written)."""
     if not decides_in_one_statement(item.phase, output_tail=item.output_tail):
         return None
@@ -228,7 +225,6 @@ def _in_one_statement(
         executor_handle=item.executor_handle,
         exit_code=item.exit_code,
         error_code=item.error_code,
-        held_since=held_since,
     )
 
 
@@ -333,14 +329,11 @@ def lease_ack_each(
     nothing and stops no other (docs/adr/0013).
 
     On PostgreSQL the ACKs share one transaction: every lease's rows locked in
-    one statement in the lock order (`leases.locks.lock_leases_of_acks`: all
+    one statement in the lock order (`leases.locks.lock_leases_for_acks`: all
     Runs and Attempts sorted by Run id, then the Session, then the leases
     sorted by id — never one lease's Session before another's Run), then each
-    ACK's checks and writes, then one commit. Each ACK is first tried as one
-    statement (`leases.ack_statement`, under the locks already held); one it
-    does not apply is decided on its rows read again (`lock_lease_for_ack`,
-    which takes no new lock) by the checks of a single ACK. A refusal is
-    decided before its ACK writes anything. Should an ACK fail among its writes (a lost race,
+    ACK's checks and writes, then one commit. A refusal is decided before its
+    ACK writes anything. Should an ACK fail among its writes (a lost race,
     which the locks exclude, or an illegal transition an ending through
     `attempt_finish` finds after its first write), the whole transaction rolls
     back and every ACK is applied again on its own, as on SQLite (which
@@ -358,8 +351,8 @@ def lease_ack_each(
         LOST_RACES.labels(operation="ack").inc()
         yield from _each_alone(session, items)
         return
-    for lease_id, phase, attempt_state in applied:
-        _log_applied_ids(lease_id, phase, attempt_state)
+    for chain, phase in applied:
+        _log_applied(chain, phase)
     yield from answers
 
 
@@ -384,35 +377,18 @@ def _writes_in_steps(item: AckItem, chain: LeaseChain) -> bool:
 
 def _all_in_one_transaction(
     session: WorkerSession, items: Sequence[AckItem]
-) -> tuple[list[AckResult | LeaseError], list[tuple[int, AckPhase, str]]]:
+) -> tuple[list[AckResult | LeaseError], list[tuple[LeaseChain, AckPhase]]]:
     answers: list[AckResult | LeaseError] = []
-    applied: list[tuple[int, AckPhase, str]] = []  # (lease id, phase, Attempt state)
-    # Read only for an ACK the one statement leaves to the checks below, and
-    # kept while nothing but `_apply` (which updates them) writes their rows.
-    chains: dict[str, LeaseChain] = {}
+    applied: list[tuple[LeaseChain, AckPhase]] = []
     with transaction.atomic(durable=True):
-        # Every ACK of the batch is decided at the clock its locks were taken at.
-        found, now = lock_leases_of_acks(
+        chains = lock_leases_for_acks(
             offer_ids=[item.offer_id for item in items], session_pk=session.pk
         )
         for item in items:
-            if item.offer_id not in found:
-                answers.append(_refused(item.offer_id, session))
-                continue
-            try:
-                done = _in_one_statement(item, session=session, held_since=now)
-            except LostRace:
-                raise _Unsure from None
-            if done is not None:
-                chains.pop(item.offer_id, None)  # its rows changed
-                applied.append((done.lease_id, item.phase, done.attempt_state))
-                answers.append(_answer(item.offer_id, done))
-                continue
             chain = chains.get(item.offer_id)
             if chain is None:
-                chain = lock_lease_for_ack(offer_id=item.offer_id, session_pk=session.pk)
-                assert chain is not None  # locked above, by this transaction
-                chain = chains[item.offer_id] = dataclasses.replace(chain, now=now)
+                answers.append(_refused(item.offer_id, session))
+                continue
             try:
                 outcome = _ack_in_chain(chain, item, session=session)
             except LeaseError as err:
@@ -426,7 +402,7 @@ def _all_in_one_transaction(
             except LostRace:
                 raise _Unsure from None
             if outcome is Outcome.APPLIED:
-                applied.append((chain.lease.pk, item.phase, chain.attempt.state))
+                applied.append((chain, item.phase))
             answers.append(_result(item.offer_id, chain.attempt, chain.run, outcome))
     return answers, applied
 

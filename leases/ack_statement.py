@@ -42,7 +42,6 @@ import hashlib
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Final
 
 from django.db import connection
@@ -151,17 +150,12 @@ def _fresh(table: str, alias: str) -> str:
     return f"(SELECT x.version FROM {table} x WHERE x.id = lk.{alias}_id) = lk.{alias}_version"  # noqa: S608  (names from model metadata; values are parameters)
 
 
-_SQL: dict[tuple[str, bool], str] = {}
+_SQL: dict[str, str] = {}
 
 
-def _sql(phase: str, *, held: bool) -> str:
-    """The statement of one phase (written once; prepared once per connection).
-
-    `held`: the caller's transaction holds the rows' locks already (a batch),
-    so the statement takes none and its rows cannot have changed since its
-    snapshot: no `FOR UPDATE`, no `fresh`, and `now` is a parameter.
-    """
-    found = _SQL.get((phase, held))
+def _sql(phase: str) -> str:
+    """The statement of one phase (written once; prepared once per connection)."""
+    found = _SQL.get(phase)
     if found is not None:
         return found
     shape = _PHASES[phase]
@@ -193,11 +187,10 @@ def _sql(phase: str, *, held: bool) -> str:
     ]
     if shape.run_to is not None:
         checks.append(f"lk.r_state IN ({_from_states(RUN_TRANSITIONS, shape.run_to)})")
-    if not held:
-        # `fresh` (see the module docstring): the snapshot's row is the locked one.
-        checks.extend(_fresh(table, alias) for table, alias in ((attempt, "a"), (lease, "l")))
-        if shape.run_to is not None:
-            checks.append(_fresh(run, "r"))
+    # `fresh` (see the module docstring): the snapshot's row is the locked one.
+    checks.extend(_fresh(table, alias) for table, alias in ((attempt, "a"), (lease, "l")))
+    if shape.run_to is not None:
+        checks.append(_fresh(run, "r"))
     if shape.refuse_cancelled:
         checks.append("NOT lk.r_cancel")
     if shape.refuse_overdue:
@@ -246,9 +239,7 @@ def _sql(phase: str, *, held: bool) -> str:
             RETURNING 1)"""  # noqa: S608  (names from model metadata; values are parameters)
         )
         counts.append("(SELECT count(*) FROM wr)")
-    clock = "%s::timestamptz" if held else "statement_timestamp()"
-    locks = "" if held else "FOR UPDATE OF r, a FOR NO KEY UPDATE OF s FOR UPDATE OF l"
-    found = _SQL[(phase, held)] = f"""
+    found = _SQL[phase] = f"""
         WITH lk AS MATERIALIZED (
             SELECT r.id AS r_id, r.state AS r_state, r.version AS r_version,
                    r.cancel_requested AS r_cancel, r.project_id AS r_project,
@@ -260,7 +251,7 @@ def _sql(phase: str, *, held: bool) -> str:
                    l.lease_generation AS l_gen, l.session_generation AS l_sgen,
                    l.expires_at AS l_expires, l.token_digest AS l_token,
                    l.spec_digest AS l_spec,
-                   {clock} AS now
+                   statement_timestamp() AS now
             FROM {run} r, {revision} v, {attempt} a, {session} s, {lease} l
             WHERE l.id = (SELECT x.id FROM {lease} x WHERE x.offer_id = %s::varchar)
               -- `+ 0`: a filter, never an index condition (the Session's
@@ -268,7 +259,7 @@ def _sql(phase: str, *, held: bool) -> str:
               AND l.session_id + 0 = %s::bigint
               AND r.id = l.run_id AND v.id = r.task_revision_id
               AND a.id = l.attempt_id AND s.id = l.session_id
-            {locks}
+            FOR UPDATE OF r, a FOR NO KEY UPDATE OF s FOR UPDATE OF l
         ),
         g AS MATERIALIZED (
             SELECT lk.*, COALESCE({" AND ".join(checks)}, false) AS ok FROM lk
@@ -289,26 +280,21 @@ def ack_in_one_statement(
     executor_handle: str = "",
     exit_code: int | None = None,
     error_code: str = "",
-    held_since: datetime | None = None,
 ) -> OneStatementAck | None:
     """Apply one ACK in one statement, or write nothing and return None.
 
     None: the lease was not found for this Session, or a check failed, or a
     row changed between the statement's snapshot and its locks — the caller
-    takes the portable path, which decides and answers. Alone, the statement
-    is its own transaction and takes its locks; in a batch's
-    (`lease_ack_each`), whose transaction already holds them, `held_since`
-    is the clock they were taken at, and the ACK is decided at it.
-    `decides_in_one_statement` says which ACKs may come here. Raises
+    takes the portable path, which decides and answers. Outside a
+    transaction only (the statement is its own); `decides_in_one_statement`
+    says which ACKs may come here. Raises
     `LostRace` only should a write after the Attempt's touch no row, which
     the locks and `fresh` exclude.
     """
     shape = _PHASES[phase]
     salt = secrets.token_hex(16)
     digest = token_digest(lease_token)
-    held = held_since is not None
     params: list[Any] = [
-        *((held_since,) if held else ()),
         offer_id,
         session.pk,
         salt,
@@ -327,7 +313,7 @@ def ack_in_one_statement(
     if shape.lease == "extend":
         params.append(policy.lease_ttl())
     with prepared_cursor() as cursor:
-        cursor.execute(_sql(phase, held=held), params)
+        cursor.execute(_sql(phase), params)
         row = cursor.fetchone()
     if row is None or not row[0]:
         return None

@@ -58,7 +58,6 @@ __all__ = [
     "lock_lease_chain",
     "lock_lease_for_ack",
     "lock_leases_for_acks",
-    "lock_leases_of_acks",
     "lock_project",
     "lock_run",
     "lock_session",
@@ -476,13 +475,11 @@ def _names(part: ModelColumns[Any], table: str) -> str:
     return ", ".join(f"{table}.{qn(part.alias + '_' + field.column)}" for field in part.fields)
 
 
-_ACKS_SQL: dict[tuple[str, bool], str] = {}
+_ACKS_SQL: dict[str, str] = {}
 
 
-def _acks_sql(*, load: bool = True) -> str:
-    """The text of `lock_leases_for_acks` (`load`) or `lock_leases_of_acks`: the
-    same locks, the rows or only the offer ids found."""
-    found = _ACKS_SQL.get((connection.vendor, load))
+def _acks_sql() -> str:
+    found = _ACKS_SQL.get(connection.vendor)
     if found is not None:
         return found
     qn = connection.ops.quote_name
@@ -490,13 +487,6 @@ def _acks_sql(*, load: bool = True) -> str:
     # `ra`: every Run and Attempt (with the pinned revision, not locked),
     # sorted by Run id; `s`: the Session, read only once `ra` is complete
     # (its WHERE counts `ra`); `ll`: the leases, sorted by id, once `s` is.
-    columns = (
-        f"""{_names(_ACK_RUN, "ra")}, {_names(_ACK_REVISION, "ra")},
-               {_names(_ACK_ATTEMPT, "ra")}, {_names(_ACK_SESSION, "s")},
-               {_names(_ACK_LEASE, "ll")}, statement_timestamp()"""
-        if load
-        else f"ll.{qn('l_offer_id')}, statement_timestamp()"
-    )
     found = f"""
         WITH ra AS MATERIALIZED (
             SELECT {_aliased(_ACK_RUN)}, {_aliased(_ACK_REVISION)}, {_aliased(_ACK_ATTEMPT)},
@@ -520,10 +510,12 @@ def _acks_sql(*, load: bool = True) -> str:
             ORDER BY l.{qn("id")}
             FOR UPDATE OF l
         )
-        SELECT {columns}
+        SELECT {_names(_ACK_RUN, "ra")}, {_names(_ACK_REVISION, "ra")},
+               {_names(_ACK_ATTEMPT, "ra")}, {_names(_ACK_SESSION, "s")},
+               {_names(_ACK_LEASE, "ll")}, statement_timestamp()
         FROM ra JOIN ll ON ll.{qn("l_id")} = ra.lease_id CROSS JOIN s
     """  # noqa: S608  (names from model metadata; values are parameters)
-    _ACKS_SQL[(connection.vendor, load)] = found
+    _ACKS_SQL[connection.vendor] = found
     return found
 
 
@@ -570,20 +562,6 @@ def lock_leases_for_acks(*, offer_ids: Sequence[str], session_pk: int) -> dict[s
             run=run, attempt=attempt, session=session, lease=lease, now=row[offset]
         )
     return chains
-
-
-def lock_leases_of_acks(
-    *, offer_ids: Sequence[str], session_pk: int
-) -> tuple[frozenset[str], datetime | None]:
-    """`lock_leases_for_acks`' locks, in its one statement and order, without
-    loading the rows: the offer ids of this Session's leases found (and
-    locked), and the statement's clock (None when none was found)."""
-    assert connection.vendor == "postgresql", "several ACKs lock in one statement on PostgreSQL"
-    unique = sorted(set(offer_ids))
-    with prepared_cursor() as cursor:
-        cursor.execute(_acks_sql(load=False), [unique, session_pk, session_pk])
-        rows = cursor.fetchall()
-    return frozenset(offer_id for offer_id, _ in rows), rows[0][1] if rows else None
 
 
 # ------------------------------------------------ a page of claims at once

@@ -27,7 +27,7 @@ from dispatch.sweeps import sweep_expired_leases
 from leases.ack import AckItem, AckPhase, AckResult, lease_ack, lease_ack_each
 from leases.end import run_cancel
 from leases.errors import LeaseConflict, LeaseError, Outcome
-from leases.locks import lock_leases_for_acks, lock_leases_of_acks
+from leases.locks import lock_leases_for_acks
 from leases.models import LeaseState, RunLease
 from leases.tests.racing import assert_locks_in_order, held_by_someone, race
 from qinglong import testing
@@ -86,10 +86,7 @@ def no_active_lease_on_an_ended_attempt() -> None:
 # ------------------------------------------------------------- lock order
 
 
-@pytest.mark.parametrize("lock", [lock_leases_for_acks, lock_leases_of_acks])
-def test_the_batch_locks_runs_and_attempts_by_run_id_then_the_session_then_the_leases(
-    lock: Callable[..., Any],
-) -> None:
+def test_the_batch_locks_runs_and_attempts_by_run_id_then_the_session_then_the_leases() -> None:
     session = testing.open_session(testing.make_worker(slots=4)[0]).session
     pairs = leased(session, 2)
     (one, _), (two, _) = pairs
@@ -106,7 +103,9 @@ def test_the_batch_locks_runs_and_attempts_by_run_id_then_the_session_then_the_l
     ]
     # Listed newest first: the statement sorts them itself.
     offer_ids = [two.offer_id, one.offer_id]
-    assert_locks_in_order(rows, lambda: lock(offer_ids=offer_ids, session_pk=session.pk))
+    assert_locks_in_order(
+        rows, lambda: lock_leases_for_acks(offer_ids=offer_ids, session_pk=session.pk)
+    )
 
 
 def test_a_batch_naming_another_sessions_leases_locks_nothing_and_refuses_them() -> None:
@@ -120,10 +119,6 @@ def test_a_batch_naming_another_sessions_leases_locks_nothing_and_refuses_them()
             )
             == {}
         )
-        found, _ = lock_leases_of_acks(
-            offer_ids=[lease.offer_id for lease, _ in pairs], session_pk=stranger.pk
-        )
-        assert found == frozenset()
         for lease, _ in pairs:
             assert not held_by_someone("runs_run", lease.run_id)
             assert not held_by_someone("dispatch_runlease", lease.pk)
@@ -279,30 +274,22 @@ def test_overlapping_batches_and_single_acks_of_one_session_never_deadlock() -> 
             assert events.count() == 1
 
 
-def hold_before_writes(monkeypatch, entered: threading.Event, *, seconds: float) -> None:
-    """The thread named "batch" pauses once, its locks held, before its first
-    ACK writes: in the one statement (`leases.ack_statement`) or in `_apply`."""
-    for name in ("ack_in_one_statement", "_apply"):
-        real = getattr(ack_use_case, name)
-
-        def slow(*args: Any, real: Any = real, **kwargs: Any) -> Any:
-            if threading.current_thread().name == "batch" and not entered.is_set():
-                entered.set()
-                time.sleep(seconds)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(ack_use_case, name, slow)
-
-
 def test_a_batch_waiting_behind_a_cancel_sees_what_it_committed(monkeypatch) -> None:
-    """Held under its locks before it writes (its first ACK's one statement,
-    `leases.ack_statement`, or `_apply`), the batch makes a cancel of one of
-    its Runs wait; the cancel then finds it started."""
+    """Held under its locks with its checks passed (`_apply`), the batch makes a
+    cancel of one of its Runs wait; the cancel then finds it started."""
     session = testing.open_session(testing.make_worker(slots=4)[0]).session
     pairs = leased(session, 2)
     started(pairs, session)
     entered, results = threading.Event(), {}
-    hold_before_writes(monkeypatch, entered, seconds=0.5)
+    real = ack_use_case._apply
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "batch":
+            entered.set()
+            time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ack_use_case, "_apply", slow)
 
     def in_thread(name: str, fn: Callable[[], Any]) -> threading.Thread:
         def runner() -> None:
@@ -334,16 +321,22 @@ def test_a_batch_waiting_behind_a_cancel_sees_what_it_committed(monkeypatch) -> 
 def test_a_batch_holding_its_locks_past_an_expiry_wins_and_the_sweeper_backs_off(
     monkeypatch,
 ) -> None:
-    """Held under its locks before it writes (see above) while its lease's
-    expiry passes: every ACK of the batch is decided at the clock its locks
-    were taken at, so it wins; the sweeper waits for the lock, then finds the
-    lease renewed."""
+    """Held under its locks, checks passed (`_apply`), while its lease's expiry
+    passes: the sweeper waits for the lock, then finds the lease renewed."""
     session = testing.open_session(testing.make_worker(slots=4)[0]).session
     pairs = leased(session, 2)
     lease = pairs[0][0]
     RunLease.objects.filter(pk=lease.pk).update(expires_at=db_now() + timedelta(seconds=0.3))
     entered, results = threading.Event(), {}
-    hold_before_writes(monkeypatch, entered, seconds=0.8)
+    real = ack_use_case._apply
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "batch" and not entered.is_set():
+            entered.set()
+            time.sleep(0.8)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ack_use_case, "_apply", slow)
 
     def runner(name: str, fn: Callable[[], Any]) -> threading.Thread:
         def run() -> None:

@@ -28,7 +28,7 @@ from django.test.utils import CaptureQueriesContext
 
 from leases import ack as ack_module
 from leases import policy
-from leases.ack import AckItem, AckPhase, AckResult, lease_ack, lease_ack_each
+from leases.ack import AckPhase, AckResult, lease_ack
 from leases.ack_statement import ack_in_one_statement
 from leases.errors import LeaseError, Outcome
 from leases.models import LeaseState, RunLease
@@ -65,8 +65,8 @@ class Case:
     other_session: bool = False  # sent by another Session of another Worker
 
 
-def _claimed(subscribed: bool = False, slots: int = 2) -> Lease:
-    session = testing.open_session(testing.make_worker(slots=slots)[0]).session
+def _claimed(subscribed: bool = False) -> Lease:
+    session = testing.open_session().session
     run = testing.make_run()
     if subscribed:
         WebhookSubscription.objects.create(
@@ -417,114 +417,3 @@ def test_the_one_statement_naming_another_sessions_lease_locks_nothing() -> None
         assert not held_by_someone(Attempt._meta.db_table, held.attempt.pk)
         assert not held_by_someone(RunLease._meta.db_table, held.lease.pk)
     assert Attempt.objects.get(pk=held.attempt.pk).state == AttemptState.CLAIMED
-
-
-def test_a_batch_answers_and_writes_like_the_portable_path(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """lease_ack_each tries each ACK as one statement under the batch's locks;
-    the ones it leaves (a refusal, a repeat, a cancelled Run, a failure) are
-    decided by the portable checks on rows read again after the earlier
-    ACKs of the batch wrote theirs."""
-
-    def play(one_statement: bool) -> tuple[list[Any], list[dict[str, Any]], int]:
-        first = _claimed(slots=4)
-        # One Session holding four leases (a batch is one Session's).
-        owner = first.session
-        held = [first]
-        for _ in range(3):
-            attempt = testing.pending_attempt(testing.make_run())
-            outcome, offer_id, token = testing.claim(attempt, owner)
-            assert outcome.status == "won"
-            lease = RunLease.objects.get(offer_id=offer_id)
-            held.append(
-                Lease(session=owner, run=lease.run, attempt=attempt, lease=lease, token=token)
-            )
-        _updated(Run, held[2].run.pk, cancel_requested=True)
-        _ack(held[3], AckPhase.STARTING)
-        _ack(held[3], AckPhase.RUNNING)
-
-        def item(h: Lease, phase: AckPhase, **overrides: Any) -> AckItem:
-            fields: dict[str, Any] = {
-                "offer_id": h.lease.offer_id,
-                "phase": phase,
-                "lease_token": h.token,
-                "spec_sha256": h.lease.spec_digest,
-                "executor_handle": "pid:1",
-                "exit_code": 0,
-            }
-            fields.update(overrides)
-            return AckItem(**fields)
-
-        items = [
-            item(held[0], AckPhase.STARTING),
-            item(held[1], AckPhase.STARTING, lease_token="x" * 43),
-            item(held[2], AckPhase.STARTING),  # cancelled
-            item(held[0], AckPhase.RUNNING),
-            item(held[0], AckPhase.RUNNING),  # a repeat
-            item(held[3], AckPhase.FAILED, exit_code=2),
-            item(held[0], AckPhase.SUCCEEDED),
-            item(held[1], AckPhase.STARTING),
-            item(held[1], AckPhase.SUCCEEDED),  # not running
-            AckItem(
-                offer_id="no-such-offer",
-                phase=AckPhase.STARTING,
-                lease_token="t",
-                spec_sha256="0" * 64,
-            ),
-        ]
-        with monkeypatch.context() as patched:
-            if not one_statement:
-                patched.setattr(ack_module, "decides_in_one_statement", lambda *a, **k: False)
-            with CaptureQueriesContext(connection) as queries:
-                answers = list(lease_ack_each(session=owner, items=items))
-        shown = [_answer(functools.partial(_given, answer)) for answer in answers]
-        return shown, [_rows(h) for h in held], len(queries.captured_queries)
-
-    portable, portable_rows, portable_statements = play(one_statement=False)
-    answers, rows, statements = play(one_statement=True)
-    assert answers == portable
-    assert rows == portable_rows
-    assert [answer[0] for answer in answers].count("answered") == 6
-    # Each of the six left to the portable checks costs at most its failed
-    # one statement and a read of its rows more than on the portable path.
-    assert statements <= portable_statements + 2 * 6
-
-
-def test_a_batch_the_one_statement_applies_is_one_statement_per_ack() -> None:
-    first = _claimed(slots=3)
-    held = [first]
-    for _ in range(2):
-        attempt = testing.pending_attempt(testing.make_run())
-        outcome, offer_id, token = testing.claim(attempt, first.session)
-        assert outcome.status == "won"
-        lease = RunLease.objects.get(offer_id=offer_id)
-        held.append(
-            Lease(session=first.session, run=lease.run, attempt=attempt, lease=lease, token=token)
-        )
-    items = [
-        AckItem(
-            offer_id=h.lease.offer_id,
-            phase=phase,
-            lease_token=h.token,
-            spec_sha256=h.lease.spec_digest,
-            executor_handle="pid:1",
-            exit_code=0,
-        )
-        for phase in (AckPhase.STARTING, AckPhase.RUNNING, AckPhase.SUCCEEDED)
-        for h in held
-    ]
-    with CaptureQueriesContext(connection) as queries:
-        answers = list(lease_ack_each(session=first.session, items=items))
-    assert [a.outcome for a in answers if isinstance(a, AckResult)] == [Outcome.APPLIED] * 9
-    # BEGIN, the locks of all three leases, one statement per ACK, COMMIT.
-    assert len(queries.captured_queries) == 3 + 9
-    assert set(
-        Run.objects.filter(pk__in=[h.run.pk for h in held]).values_list("state", flat=True)
-    ) == {"succeeded"}
-
-
-def _given(answer: AckResult | LeaseError) -> AckResult:
-    if isinstance(answer, LeaseError):
-        raise answer
-    return answer
