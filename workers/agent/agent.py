@@ -460,16 +460,19 @@ class Agent:
             silent_s=round(silent_s, 3),
             timeout_s=session.timeout_s,
         )
-        with self._lock:
-            running = [entry for entry in self.runners.values() if entry.session is session]
-        for entry in running:
-            entry.runner.fence()
-        self._session_lost(session, "heartbeat_timeout")
+        # What was live at the fence is read before the runners are told: a
+        # runner ends its own process too and may journal it killed first, and
+        # every execution the fence ended is still reported as fenced.
         live = [
             execution
             for execution in self.journal.open_executions(session_id=session.session_id)
             if execution.phase in LIVE_PHASES
         ]
+        with self._lock:
+            running = [entry for entry in self.runners.values() if entry.session is session]
+        for entry in running:
+            entry.runner.fence()
+        self._session_lost(session, "heartbeat_timeout")
         enders = [
             threading.Thread(target=self._end_fenced, args=(execution,), daemon=True)
             for execution in live

@@ -11,6 +11,7 @@ another Worker beside it — two executions of one Run at once.
 from __future__ import annotations
 
 import contextlib
+import json
 import select
 import signal
 import socket
@@ -183,6 +184,60 @@ def test_a_heartbeat_accepted_in_time_never_fences() -> None:
         thread.join(10)
     execution = journal.get(offer_id(1))
     assert execution is not None and execution.outcome is Outcome.KILLED
+
+
+def test_an_execution_its_runner_ends_first_is_still_reported_fenced(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Told of the fence, a runner ends its own process too and may journal it
+    killed before the fence thread looks at the journal (a busy box): the
+    fence still names every execution that was live when it fenced.
+
+    Before: the live executions were read after the runners were told, so one
+    its runner had already journaled was missing from `execution_fenced`."""
+    from workers.agent import protocol
+
+    plane = FakeControlPlane(heartbeat_interval_s=0.1, session_timeout_s=1.0)
+    journal = Journal.memory()
+    agent = Agent(
+        transport=plane,
+        credential="c" * 43,
+        slots=1,
+        executor="process",
+        spawn=Spawner(journal, runs_until_stopped=True),
+        journal=journal,
+        poll_interval_s=0.02,
+        stop_grace_s=0.2,
+        retry_initial_s=0.01,
+        retry_cap_s=0.05,
+    )
+    told = protocol.AttemptRunner.fence
+
+    def first_to_journal(runner: protocol.AttemptRunner) -> None:
+        told(runner)
+        journal.mark_finished(runner.offer_id, outcome=Outcome.KILLED, exit_code=None)
+
+    monkeypatch.setattr(protocol.AttemptRunner, "fence", first_to_journal)
+    plane.offers = [an_offer(1)]
+    err: list[str] = []
+
+    def fenced() -> bool:
+        err.append(capsys.readouterr().err)
+        return '"execution_fenced"' in "".join(err)
+
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        soon(lambda: "ack:running" in plane.kinds())
+        plane.down = True
+        soon(fenced, timeout=10)
+    finally:
+        plane.down = False
+        agent.abort()
+        thread.join(10)
+    err.append(capsys.readouterr().err)
+    events = [json.loads(line) for line in "".join(err).splitlines()]
+    assert [e["offer_id"] for e in events if e["event"] == "execution_fenced"] == [offer_id(1)]
 
 
 # ---------------------------------------------- a real agent, a real partition
