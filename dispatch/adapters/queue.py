@@ -358,10 +358,37 @@ class OrmQueueReader:
             run_ids.append(int(run_id))
             limits.append(want.limit)
         with prepared_cursor() as cursor:
-            cursor.execute(
-                _rows_sql(),
-                [project_ids, revision_ids, priorities, moments, run_ids, limits, self.observed_at],
-            )
+            if len(wanted) == 1:
+                # One group (a pull's common case): its own text of plain
+                # values, which PostgreSQL keeps one plan of.
+                priority = priorities[0]
+                cursor.execute(
+                    _rows_sql(one=True),
+                    [
+                        project_ids[0],
+                        revision_ids[0],
+                        self.observed_at,
+                        priority,
+                        priority,
+                        moments[0],
+                        moments[0],
+                        run_ids[0],
+                        limits[0],
+                    ],
+                )
+            else:
+                cursor.execute(
+                    _rows_sql(one=False),
+                    [
+                        project_ids,
+                        revision_ids,
+                        priorities,
+                        moments,
+                        run_ids,
+                        limits,
+                        self.observed_at,
+                    ],
+                )
             return list(cursor.fetchall())
 
     def _rows_union(self, wanted: Sequence[RowsWanted]) -> list[tuple[Any, ...]]:
@@ -406,30 +433,46 @@ class OrmQueueReader:
 # Before every Run in (priority DESC, queued_at, id): the highest priority a
 # column can hold, the earliest moment, no id (every real queued_at is later).
 _FROM_THE_START: Final = (2**31 - 1, datetime(1, 1, 1, tzinfo=UTC), "0")
-_ROWS_SQL: dict[str, str] = {}
+_ROWS_SQL: dict[tuple[str, bool], str] = {}
 
 
-def _rows_sql() -> str:
-    """The rows of every wanted group on PostgreSQL: for each (project, revision,
-    after-key, limit) of the arrays, the group's first candidates after that key,
-    an ordered range of `run_queue_group` (its state a literal: the generic plan
-    keeps the partial index)."""
-    found = _ROWS_SQL.get(connection.vendor)
-    if found is None:
-        found = _ROWS_SQL[connection.vendor] = (
-            "SELECT g.* FROM unnest(%s::bigint[], %s::bigint[], %s::integer[], "  # noqa: S608  (table names from model metadata; the states are the models' constants, state_literal)
+def _rows_sql(*, one: bool) -> str:
+    """The rows of the wanted groups on PostgreSQL: for each (project, revision,
+    after-key, limit) of the arrays — or the one group's plain values — the
+    group's first candidates after that key, an ordered range of
+    `run_queue_group` (its state a literal: the generic plan keeps the
+    partial index)."""
+    found = _ROWS_SQL.get((connection.vendor, one))
+    if found is not None:
+        return found
+    if one:
+        # In this text the group's key comes first, then the clock, then the
+        # after-key (priority twice, queued_at twice, run id) and the limit.
+        group = "%s", "%s", "%s", "%s::timestamptz", "%s", "%s"
+    else:
+        group = "w.project_id", "w.revision_id", "w.priority", "w.queued_at", "w.run_id", "w.lim"
+    project, revision, priority, queued_at, run_id, limit = group
+    candidates = (
+        "SELECT a.id, a.version, a.lease_generation, r.id AS run_id, "  # noqa: S608  (table names from model metadata; the states are the models' constants, state_literal)
+        "r.priority, r.queued_at, r.project_id, r.task_id, r.task_revision_id "
+        f"FROM {_t(Run)} r JOIN {_t(Attempt)} a ON a.run_id = r.id "
+        f"WHERE r.state = {state_literal(RunState.QUEUED)} "
+        f"AND r.project_id = {project} AND r.task_revision_id = {revision} "
+        f"AND a.state = {state_literal(AttemptState.PENDING)} AND NOT r.cancel_requested "
+        "AND (a.not_before IS NULL OR a.not_before <= %s::timestamptz) "
+        # The exact successor of the after-key in (priority DESC, queued_at, id).
+        f"AND r.priority <= {priority} AND (r.priority < {priority} "
+        f"OR r.queued_at > {queued_at} OR (r.queued_at = {queued_at} AND r.id > {run_id})) "
+        f"ORDER BY r.priority DESC, r.queued_at, r.id LIMIT {limit}"
+    )
+    if one:
+        found = candidates
+    else:
+        found = (
+            "SELECT g.* FROM unnest(%s::bigint[], %s::bigint[], %s::integer[], "  # noqa: S608  (the text above)
             "%s::timestamptz[], %s::bigint[], %s::integer[]) "
             "AS w(project_id, revision_id, priority, queued_at, run_id, lim) "
-            "CROSS JOIN LATERAL (SELECT a.id, a.version, a.lease_generation, r.id AS run_id, "
-            "r.priority, r.queued_at, r.project_id, r.task_id, r.task_revision_id "
-            f"FROM {_t(Run)} r JOIN {_t(Attempt)} a ON a.run_id = r.id "
-            f"WHERE r.state = {state_literal(RunState.QUEUED)} "
-            "AND r.project_id = w.project_id AND r.task_revision_id = w.revision_id "
-            f"AND a.state = {state_literal(AttemptState.PENDING)} AND NOT r.cancel_requested "
-            "AND (a.not_before IS NULL OR a.not_before <= %s::timestamptz) "
-            # The exact successor of the after-key in (priority DESC, queued_at, id).
-            "AND r.priority <= w.priority AND (r.priority < w.priority "
-            "OR r.queued_at > w.queued_at OR (r.queued_at = w.queued_at AND r.id > w.run_id)) "
-            "ORDER BY r.priority DESC, r.queued_at, r.id LIMIT w.lim) g"
+            f"CROSS JOIN LATERAL ({candidates}) g"
         )
+    _ROWS_SQL[(connection.vendor, one)] = found
     return found

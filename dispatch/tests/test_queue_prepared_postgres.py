@@ -71,24 +71,29 @@ def _no_state_parameter(text: str) -> None:
 
 
 def test_the_rows_of_any_number_of_groups_are_one_prepared_statement() -> None:
-    # Its text used to grow a UNION ALL branch per group: planned anew each cycle.
+    # Its text used to grow a UNION ALL branch per group: planned anew each
+    # cycle. Two texts now: one group's (a pull's common case), planned once
+    # for good, and any number's (a LATERAL over arrays).
     tasks = [testing.make_task() for _ in range(3)]
     runs = {task.pk: [testing.make_run(task, priority=p) for p in (0, 5)] for task in tasks}
     testing.open_session(slots=8)
     reader = OrmQueueReader(observed_at=db_now(), scope=None)
     groups, _more = reader.walk(start=None, cap=8)
     assert len(groups) == 3
-    for _ in range(3):
+    for _ in range(6):  # past PostgreSQL's five custom plans
         for chosen in (groups[:1], groups):
             found = reader.rows([RowsWanted(group, None, 8) for group in chosen])
             assert sorted(found) == sorted(group.group_id for group in chosen)
             for group in chosen:
                 high, low = runs[int(group.task_id)][1], runs[int(group.task_id)][0]
                 assert [c.run_id for c in found[group.group_id]] == [str(high.pk), str(low.pk)]
-    ((text, generic, custom),) = _prepared("%CROSS JOIN LATERAL%")
+    ((many, generic, custom),) = _prepared("%CROSS JOIN LATERAL%")
     assert generic + custom == 6
-    assert "r.state = 'queued'" in text
-    _no_state_parameter(text)
+    ((one, generic, custom),) = _prepared("SELECT a.id, a.version, a.lease_generation%")
+    assert (generic, custom) == (1, 5)
+    for text in (many, one):
+        assert "r.state = 'queued'" in text
+        _no_state_parameter(text)
 
 
 def test_a_global_cycle_prepares_its_recovery_and_worker_reads() -> None:
