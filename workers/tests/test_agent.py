@@ -28,9 +28,10 @@ from workers.agent.protocol import (
     spec_sha256,
     verify_offer,
 )
+from workers.tests.markers import offer_id
 
 ROOT = Path(__file__).resolve().parents[2]
-OFFER_ID = "ab" * 32
+OFFER_ID = offer_id(0xAB)  # per test process: workers.tests.markers
 TOKEN = "t" * 43
 
 

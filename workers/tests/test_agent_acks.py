@@ -20,9 +20,10 @@ import pytest
 from workers.agent.acks import ACKS_PATH, AckSender
 from workers.agent.executor import ProcessSpawner
 from workers.agent.protocol import AttemptRunner, Response, TransportError, spec_sha256
+from workers.tests.markers import offer_id
 from workers.tests.test_agent import FakeProcess, FakeSpawner, a_spec
 
-OFFER = "ab" * 32
+OFFER = offer_id(0xAB)  # per test process: workers.tests.markers
 TOKEN = "t" * 43
 
 
@@ -459,7 +460,7 @@ def offers(count: int) -> list[dict[str, Any]]:
     spec = a_spec()
     return [
         {
-            "offer_id": f"{n:064x}",
+            "offer_id": offer_id(n),
             "spec": spec,
             "spec_sha256": spec_sha256(spec),
             "lease": {"token": TOKEN},
@@ -496,7 +497,7 @@ def test_a_pulls_offers_are_started_with_one_request_before_any_spawn() -> None:
     assert [i["phase"] for i in first_acks["acks"]] == ["starting"] * 3
     # Nothing but the Session, the pull and that request came before the spawns.
     assert [p.rsplit("/", 1)[-1] for p, _ in plane.calls[:3]] == ["sessions", "pull", "acks"]
-    assert sorted(spawned) == [f"{n:064x}" for n in range(1, 4)]
+    assert sorted(spawned) == [offer_id(n) for n in range(1, 4)]
     assert {o.final_phase for o in agent.outcomes} == {"succeeded"}
     # No `starting` went again on its own.
     assert not [b for p, b in plane.calls if p != ACKS_PATH and b.get("phase") == "starting"]
@@ -504,7 +505,7 @@ def test_a_pulls_offers_are_started_with_one_request_before_any_spawn() -> None:
 
 def test_an_offer_refused_in_the_pulls_start_request_is_never_spawned() -> None:
     plane = AgentPlane(offers(3))
-    refused = f"{2:064x}"
+    refused = offer_id(2)
     plane.item_status = lambda item: (
         409 if item["offer_id"] == refused and item["phase"] == "starting" else 200
     )

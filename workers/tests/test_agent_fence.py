@@ -34,6 +34,7 @@ from workers.agent.agent import Agent
 from workers.agent.executor import ProcessSpawner
 from workers.agent.journal import Journal, Outcome, Phase
 from workers.agent.protocol import Response
+from workers.tests.markers import offer_id
 from workers.tests.polling import eventually
 from workers.tests.test_agent_faults import (
     AgentProcess,
@@ -43,7 +44,7 @@ from workers.tests.test_agent_faults import (
     executions,
     setup,  # noqa: F401  (a fixture)
 )
-from workers.tests.test_agent_inbox import FakeControlPlane, Spawner, an_offer, offer_id
+from workers.tests.test_agent_inbox import FakeControlPlane, Spawner, an_offer
 from workers.tests.test_agent_inbox import eventually as soon
 
 needs_proc = pytest.mark.skipif(not procfs.procfs_available(), reason="needs Linux /proc")

@@ -20,14 +20,11 @@ from workers.agent import procfs
 from workers.agent.agent import Agent
 from workers.agent.journal import Journal, Outcome, Phase
 from workers.agent.protocol import Response, TransportError, spec_sha256
+from workers.tests.markers import offer_id
 from workers.tests.test_agent import FakeProcess, a_spec
 
 OK = Response(200, {"cancel_requested": False})
 Hook = Callable[[Mapping[str, Any]], Response]
-
-
-def offer_id(n: int) -> str:
-    return f"{n:064x}"
 
 
 def an_offer(n: int, **spec_overrides: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from workers.agent.journal import (
     default_state_dir,
 )
 from workers.agent.protocol import CANCELLED, AttemptRunner, Response
+from workers.tests.markers import offer_id
 from workers.tests.test_agent import (
     FakeProcess,
     FakeSpawner,
@@ -37,7 +38,7 @@ from workers.tests.test_agent import (
 
 linux_only = pytest.mark.skipif(not procfs.procfs_available(), reason="needs Linux /proc")
 
-OFFER = "ab" * 32
+OFFER = offer_id(0xAB)  # per test process: workers.tests.markers
 DIGEST = "d" * 64
 TOKEN = "secret-lease-token-" + "x" * 30
 

@@ -20,6 +20,7 @@ import pytest
 from workers.agent import procfs
 from workers.agent.executor import LocalProcess, ProcessSpawner, parent_death_wrapper
 from workers.agent.protocol import AttemptRunner
+from workers.tests.markers import offer_id
 from workers.tests.polling import eventually
 from workers.tests.test_agent import TOKEN, FakeTransport, a_spec, an_offer
 
@@ -118,7 +119,7 @@ def test_the_child_dies_when_the_thread_that_spawned_it_ends(tmp_path: Path, set
 def test_the_recorded_pid_and_start_time_are_the_jobs_own(tmp_path: Path) -> None:
     # setpriv execs the command in its own process: the pid (the group id)
     # and the start time the journal records name the job itself.
-    process = ProcessSpawner(tmp_path)(a_spec(command=["sleep", "60"]), offer_id="ab" * 32)
+    process = ProcessSpawner(tmp_path)(a_spec(command=["sleep", "60"]), offer_id=offer_id(0xAB))
     try:
         eventually(_is_running(process.pid, ["sleep", "60"]), 10, "sleep exec'd")
         info = procfs.proc_info(process.pid)
@@ -126,7 +127,7 @@ def test_the_recorded_pid_and_start_time_are_the_jobs_own(tmp_path: Path) -> Non
         assert (info.start_time, info.pgid) == (process.start_time, process.pgid)
         assert process.pgid == process.pid
         environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
-        assert f"{procfs.MARKER_ENV}={'ab' * 32}".encode() in environ
+        assert f"{procfs.MARKER_ENV}={offer_id(0xAB)}".encode() in environ
     finally:
         _end(process)
 

@@ -26,6 +26,7 @@ from workers.agent import procfs
 from workers.agent.agent import Agent
 from workers.agent.journal import Journal, Outcome
 from workers.agent.protocol import Response
+from workers.tests.markers import offer_id
 from workers.tests.polling import eventually
 from workers.tests.test_agent_faults import (
     FlakyProxy,
@@ -33,7 +34,7 @@ from workers.tests.test_agent_faults import (
     executions,
     setup,  # noqa: F401  (a fixture)
 )
-from workers.tests.test_agent_inbox import FakeControlPlane, Spawner, an_offer, offer_id
+from workers.tests.test_agent_inbox import FakeControlPlane, Spawner, an_offer
 
 # ------------------------------------------------------------ fake plane
 
