@@ -16,6 +16,7 @@ from dispatch.core.offer import derive_lease_token, offer_id_for, token_digest
 from dispatch.core.ports import ClaimOutcome, ClaimRequest, ClaimStatus
 from dispatch.core.spec import spec_sha256
 from leases.claim import lease_claim
+from notifications.models import WebhookSubscription
 from runs.models import Attempt, Project, Run, Task
 from runs.services import attempt_spec, project_create, run_enqueue, task_create
 from workers.models import Worker, WorkerSession
@@ -63,6 +64,17 @@ def make_task(project: Project | None = None, name: str | None = None, **overrid
 
 def make_run(task: Task | None = None, priority: int = 0, **overrides: Any) -> Run:
     return run_enqueue(task=task or make_task(**overrides), priority=priority)
+
+
+def subscribe_to_success(run: Run) -> WebhookSubscription:
+    """A webhook subscription of the Run's Project to `run.succeeded`: its
+    success then also writes an outbox row."""
+    return WebhookSubscription.objects.create(
+        project_id=run.project_id,
+        name="ops",
+        url="https://hooks.example.com/q",
+        events=["run.succeeded"],
+    )
 
 
 def pending_attempt(run: Run) -> Attempt:

@@ -34,7 +34,7 @@ from leases.errors import LeaseError, Outcome
 from leases.models import LeaseState, RunLease
 from leases.tests.racing import assert_locks_in_order, conninfo, held_by_someone, race
 from leases.timeout import timeout_margin
-from notifications.models import WebhookDelivery, WebhookSubscription
+from notifications.models import WebhookDelivery
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptEvent, AttemptState, Run
@@ -69,12 +69,7 @@ def _claimed(subscribed: bool = False) -> Lease:
     session = testing.open_session().session
     run = testing.make_run()
     if subscribed:
-        WebhookSubscription.objects.create(
-            project_id=run.project_id,
-            name="ops",
-            url="https://hooks.example.com/q",
-            events=["run.succeeded"],
-        )
+        testing.subscribe_to_success(run)
     attempt = testing.pending_attempt(run)
     outcome, offer_id, token = testing.claim(attempt, session)
     assert outcome.status == "won"

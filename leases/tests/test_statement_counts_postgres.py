@@ -25,7 +25,7 @@ from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.cycles import cycle_recorder, dispatch_budget, dispatch_cycle
 from leases.ack import AckPhase, lease_ack
 from leases.claim import lease_claim
-from notifications.models import WebhookDelivery, WebhookSubscription
+from notifications.models import WebhookDelivery
 from qinglong import testing
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -65,12 +65,7 @@ def _claim_and_ack_each_phase(*, subscribed: bool) -> tuple[int, dict[AckPhase, 
     session = testing.open_session().session
     run = testing.make_run()
     if subscribed:
-        WebhookSubscription.objects.create(
-            project_id=run.project_id,
-            name="ops",
-            url="https://hooks.example.com/q",
-            events=["run.succeeded"],
-        )
+        testing.subscribe_to_success(run)
     attempt = testing.pending_attempt(run)
     request, token = testing.claim_request(attempt, session)
     with CaptureQueriesContext(connection) as claim:
