@@ -9,11 +9,13 @@ QL_CACHE_URL=memory count per process. A cache outage never fails a Worker call.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,77 +137,66 @@ def test_an_unreachable_throttle_cache_lets_worker_calls_through(
     assert "127.0.0.1:1" not in caplog.text
 
 
-@pytest.mark.postgres
-@pytest.mark.django_db
-def test_throttle_counters_live_in_redis_where_every_process_counts(client: Client) -> None:
+@contextlib.contextmanager
+def _redis_pulls(client: Client, rate: str) -> Iterator[tuple[redis.Redis, WorkerClient, str]]:
+    """A Worker whose pulls are limited to `rate` and counted in Redis db 13:
+    the raw client, the Worker and the pattern of its counter's key (deleted
+    at the end)."""
     raw = redis.Redis.from_url(REDIS_URL)
     worker = WorkerClient.open(client)
     key_pattern = f"*throttle_worker_pull_session-{worker.worker.sessions.get().pk}"
     try:
         with override_settings(
-            CACHES=_redis_cache(REDIS_URL), REST_FRAMEWORK=_rates(worker_pull="2/min")
+            CACHES=_redis_cache(REDIS_URL), REST_FRAMEWORK=_rates(worker_pull=rate)
         ):
-            assert worker.pull()[0].status_code == 200
-            assert worker.pull()[0].status_code == 200
-            [key] = raw.keys(key_pattern)
-            # What another web process sees: this count, not its own zero.
-            raw.delete(key)
-            assert worker.pull()[0].status_code == 200  # the shared counter was reset
-            assert worker.pull()[0].status_code == 200
-            limited = worker.pull()[0]
-            assert limited.status_code == 429
-            assert error_code(limited) == "throttled"
+            yield raw, worker, key_pattern
     finally:
         for key in raw.keys(key_pattern):
             raw.delete(key)
         raw.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_throttle_counters_live_in_redis_where_every_process_counts(client: Client) -> None:
+    with _redis_pulls(client, "2/min") as (raw, worker, key_pattern):
+        assert worker.pull()[0].status_code == 200
+        assert worker.pull()[0].status_code == 200
+        [key] = raw.keys(key_pattern)
+        # What another web process sees: this count, not its own zero.
+        raw.delete(key)
+        assert worker.pull()[0].status_code == 200  # the shared counter was reset
+        assert worker.pull()[0].status_code == 200
+        limited = worker.pull()[0]
+        assert limited.status_code == 429
+        assert error_code(limited) == "throttled"
 
 
 @pytest.mark.postgres
 @pytest.mark.django_db
 def test_a_redis_window_is_one_counter_that_expires_with_its_window(client: Client) -> None:
-    raw = redis.Redis.from_url(REDIS_URL)
-    worker = WorkerClient.open(client)
-    key_pattern = f"*throttle_worker_pull_session-{worker.worker.sessions.get().pk}"
-    try:
-        with override_settings(
-            CACHES=_redis_cache(REDIS_URL), REST_FRAMEWORK=_rates(worker_pull="2/min")
-        ):
-            assert worker.pull()[0].status_code == 200
-            [key] = raw.keys(key_pattern)
-            # One integer and the window's expiry, not a list of request times.
-            assert int(raw.get(key) or b"") == 1
-            assert 0 < raw.pttl(key) <= 60_000
-            assert worker.pull()[0].status_code == 200
-            limited = worker.pull()[0]
-            assert limited.status_code == 429
-            assert 1 <= int(limited["Retry-After"]) <= 60
-            assert int(raw.get(key) or b"") == 3
-    finally:
-        for key in raw.keys(key_pattern):
-            raw.delete(key)
-        raw.close()
+    with _redis_pulls(client, "2/min") as (raw, worker, key_pattern):
+        assert worker.pull()[0].status_code == 200
+        [key] = raw.keys(key_pattern)
+        # One integer and the window's expiry, not a list of request times.
+        assert int(raw.get(key) or b"") == 1
+        assert 0 < raw.pttl(key) <= 60_000
+        assert worker.pull()[0].status_code == 200
+        limited = worker.pull()[0]
+        assert limited.status_code == 429
+        assert 1 <= int(limited["Retry-After"]) <= 60
+        assert int(raw.get(key) or b"") == 3
 
 
 @pytest.mark.postgres
 @pytest.mark.django_db
 def test_a_redis_counter_without_expiry_is_given_one(client: Client) -> None:
-    raw = redis.Redis.from_url(REDIS_URL)
-    worker = WorkerClient.open(client)
-    key_pattern = f"*throttle_worker_pull_session-{worker.worker.sessions.get().pk}"
-    try:
-        with override_settings(
-            CACHES=_redis_cache(REDIS_URL), REST_FRAMEWORK=_rates(worker_pull="5/min")
-        ):
-            assert worker.pull()[0].status_code == 200
-            [key] = raw.keys(key_pattern)
-            raw.persist(key)  # as if its window ended between SET and INCR
-            assert worker.pull()[0].status_code == 200
-            assert 0 < raw.pttl(key) <= 60_000  # else it would refuse the Session forever
-    finally:
-        for key in raw.keys(key_pattern):
-            raw.delete(key)
-        raw.close()
+    with _redis_pulls(client, "5/min") as (raw, worker, key_pattern):
+        assert worker.pull()[0].status_code == 200
+        [key] = raw.keys(key_pattern)
+        raw.persist(key)  # as if its window ended between SET and INCR
+        assert worker.pull()[0].status_code == 200
+        assert 0 < raw.pttl(key) <= 60_000  # else it would refuse the Session forever
 
 
 @pytest.mark.django_db
