@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from django.db import connection
+from django.db import DataError, connection
 from django.utils import timezone
 
 from dispatch.core.offer import token_digest
@@ -265,9 +265,20 @@ def _sql(phase: str) -> str:
             SELECT lk.*, COALESCE({" AND ".join(checks)}, false) AS ok FROM lk
         ),
         {", ".join(writes)}
-        SELECT g.ok, g.l_id, g.r_state, g.r_cancel, {", ".join(counts)} FROM g
+        SELECT g.ok, g.l_id, g.r_state, g.r_cancel, {", ".join(counts)},
+               -- All of it or none: should a write after the Attempt's touch
+               -- no row, the statement fails (a cast no constant folding can
+               -- reach) and PostgreSQL undoes every write of it.
+               CASE WHEN (SELECT count(*) FROM wa) = 1
+                     AND NOT ({" AND ".join(f"{count} = 1" for count in counts[1:])})
+                    THEN ({_HALF_WRITTEN!r} || g.l_id)::integer END
+        FROM g
     """  # noqa: S608  (names from model metadata; values are parameters)
     return found
+
+
+# The text of the error that undoes a half-written ACK (no secret: a lease id follows).
+_HALF_WRITTEN: Final = "qinglong: ack half written, lease "
 
 
 def ack_in_one_statement(
@@ -287,9 +298,9 @@ def ack_in_one_statement(
     row changed between the statement's snapshot and its locks — the caller
     takes the portable path, which decides and answers. Outside a
     transaction only (the statement is its own); `decides_in_one_statement`
-    says which ACKs may come here. Raises
-    `LostRace` only should a write after the Attempt's touch no row, which
-    the locks and `fresh` exclude.
+    says which ACKs may come here. Raises `LostRace`, having written
+    nothing, only should a write after the Attempt's touch no row, which the
+    locks and `fresh` exclude.
     """
     shape = _PHASES[phase]
     salt = secrets.token_hex(16)
@@ -312,16 +323,20 @@ def ack_in_one_statement(
     params.extend((f"worker:{session.worker_id}"[:80], timezone.now()))
     if shape.lease == "extend":
         params.append(policy.lease_ttl())
-    with prepared_cursor() as cursor:
-        cursor.execute(_sql(phase), params)
-        row = cursor.fetchone()
+    try:
+        with prepared_cursor() as cursor:
+            cursor.execute(_sql(phase), params)
+            row = cursor.fetchone()
+    except DataError as exc:
+        if _HALF_WRITTEN not in str(exc):
+            raise
+        # The statement failed whole: nothing of it was written.
+        raise LostRace("an ACK in one statement would have been half written") from None
     if row is None or not row[0]:
         return None
-    _, lease_id, run_state, cancel_requested, *written = row
+    _, lease_id, run_state, cancel_requested, *written, _half = row
     if written[0] != 1:
         return None  # nothing written (the Attempt's compare-and-set gates the rest)
-    if any(count != 1 for count in written):
-        raise LostRace(f"lease {lease_id}: an ACK was half written")
     return OneStatementAck(
         lease_id=lease_id,
         attempt_state=shape.attempt_to,

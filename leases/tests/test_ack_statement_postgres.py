@@ -30,7 +30,7 @@ from leases import ack as ack_module
 from leases import policy
 from leases.ack import AckPhase, AckResult, lease_ack
 from leases.ack_statement import ack_in_one_statement
-from leases.errors import LeaseError, Outcome
+from leases.errors import LeaseError, LostRace, Outcome
 from leases.models import LeaseState, RunLease
 from leases.tests.racing import assert_locks_in_order, conninfo, held_by_someone, race
 from leases.timeout import timeout_margin
@@ -356,6 +356,47 @@ def test_an_ack_that_waited_on_a_renewal_applies_whole() -> None:
     assert (attempt.state, attempt.executor_handle) == (AttemptState.RUNNING, "pid:1")
     assert after.version == before.version + 2  # the renewal's and the ACK's
     assert after.expires_at >= sent_at + policy.lease_ttl()  # the ACK's renewal
+
+
+def test_a_write_that_touches_no_row_undoes_the_whole_statement() -> None:
+    """Should the lease's write touch no row after the Attempt's did (the
+    locks and the snapshot check exclude it; a trigger that skips the
+    lease's update forces it here), the statement fails whole: the Attempt
+    and its history stay as they were and the caller gets `LostRace`.
+
+    Before: the Attempt's new state and its history row were committed
+    (autocommit) and only then was `LostRace` raised."""
+    held = _claimed()
+    table = RunLease._meta.db_table
+    events = AttemptEvent.objects.filter(attempt_id=held.attempt.pk).count()
+    version = Attempt.objects.get(pk=held.attempt.pk).version
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION ql_test_skip() RETURNS trigger LANGUAGE plpgsql "
+            "AS $$ BEGIN RETURN NULL; END $$"
+        )
+        cursor.execute(
+            f'CREATE TRIGGER ql_test_skip BEFORE UPDATE ON "{table}" '
+            "FOR EACH ROW EXECUTE FUNCTION ql_test_skip()"
+        )
+    try:
+        with pytest.raises(LostRace):
+            ack_in_one_statement(
+                session=held.session,
+                offer_id=held.lease.offer_id,
+                phase=AckPhase.STARTING,
+                lease_token=held.token,
+                spec_sha256=held.lease.spec_digest,
+            )
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP TRIGGER ql_test_skip ON "{table}"')
+            cursor.execute("DROP FUNCTION ql_test_skip()")
+    attempt = Attempt.objects.get(pk=held.attempt.pk)
+    assert (attempt.state, attempt.version) == (AttemptState.CLAIMED, version)
+    assert AttemptEvent.objects.filter(attempt_id=held.attempt.pk).count() == events
+    # The connection is usable and the ACK still applies once the lease can be written.
+    assert _answer(functools.partial(_ack, held, AckPhase.STARTING))[-1] == Outcome.APPLIED
 
 
 def test_two_copies_of_one_ack_apply_once() -> None:
