@@ -223,8 +223,11 @@ def _recovery_sql(*, session: bool, due: bool, after: bool) -> str:
     )
     due_sql = "AND (l.last_delivered_at IS NULL OR l.last_delivered_at <= %s) " if due else ""
     after_sql = "AND l.id > %s " if after else ""
+    # SQLite reads `MATERIALIZED` from 3.35 only (Django 5.2 supports 3.31);
+    # its planner needs no such fence here.
+    materialized = "MATERIALIZED " if connection.vendor == "postgresql" else ""
     found = _RECOVERY_SQL[key] = (
-        f"WITH l AS MATERIALIZED (SELECT * FROM {t(RunLease)} l "  # noqa: S608  (names from model metadata; the states are the models' constants, state_literal; values are parameters)
+        f"WITH l AS {materialized}(SELECT * FROM {t(RunLease)} l "  # noqa: S608  (names from model metadata; the states are the models' constants, state_literal; values are parameters)
         f"WHERE l.state = {active} AND l.expires_at > %s AND l.delivery_count < %s "
         f"{in_session}{due_sql}{after_sql}) "
         f"SELECT {', '.join(part.select() for part in _RECOVERY_PARTS)} "
