@@ -460,27 +460,32 @@ class Agent:
             silent_s=round(silent_s, 3),
             timeout_s=session.timeout_s,
         )
-        # What was live at the fence is read before the runners are told: a
-        # runner ends its own process too and may journal it killed first, and
-        # every execution the fence ended is still reported as fenced.
-        live = [
-            execution
-            for execution in self.journal.open_executions(session_id=session.session_id)
-            if execution.phase in LIVE_PHASES
-        ]
+        # What is live is read before the runners are told (a runner ends its
+        # own process too and may journal it killed first) and again after
+        # (one may have spawned in between): every execution the fence ends
+        # is reported as fenced.
+        live = {execution.offer_id: execution for execution in self._live(session)}
         with self._lock:
             running = [entry for entry in self.runners.values() if entry.session is session]
         for entry in running:
             entry.runner.fence()
         self._session_lost(session, "heartbeat_timeout")
+        live.update((execution.offer_id, execution) for execution in self._live(session))
         enders = [
             threading.Thread(target=self._end_fenced, args=(execution,), daemon=True)
-            for execution in live
+            for execution in live.values()
         ]
         for thread in enders:
             thread.start()
         for thread in enders:
             thread.join()
+
+    def _live(self, session: SessionHandle) -> list[Execution]:
+        return [
+            execution
+            for execution in self.journal.open_executions(session_id=session.session_id)
+            if execution.phase in LIVE_PHASES
+        ]
 
     def _end_fenced(self, execution: Execution) -> None:
         killed = procfs.end_execution(

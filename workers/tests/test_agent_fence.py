@@ -241,6 +241,59 @@ def test_an_execution_its_runner_ends_first_is_still_reported_fenced(
     assert [e["offer_id"] for e in events if e["event"] == "execution_fenced"] == [offer_id(1)]
 
 
+def test_an_execution_that_turns_live_while_the_fence_tells_the_runners_is_reported_fenced(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The mirror case: an execution the fence's first look did not see live
+    (its runner spawned just after) is found by its second look, after the
+    runners were told, and is still reported as fenced."""
+    plane = FakeControlPlane(heartbeat_interval_s=0.1, session_timeout_s=1.0)
+    journal = Journal.memory()
+    agent = Agent(
+        transport=plane,
+        credential="c" * 43,
+        slots=1,
+        executor="process",
+        spawn=Spawner(journal, runs_until_stopped=True),
+        journal=journal,
+        poll_interval_s=0.02,
+        stop_grace_s=0.2,
+        retry_initial_s=0.01,
+        retry_cap_s=0.05,
+    )
+    looks = agent._live
+    first: list[bool] = []
+
+    def not_yet_at_first(session: Any) -> Any:
+        if not first:
+            first.append(True)
+            return []  # as if its runner spawned right after this look
+        return looks(session)
+
+    monkeypatch.setattr(agent, "_live", not_yet_at_first)
+    plane.offers = [an_offer(1)]
+    err: list[str] = []
+
+    def fenced() -> bool:
+        err.append(capsys.readouterr().err)
+        return '"execution_fenced"' in "".join(err)
+
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        soon(lambda: "ack:running" in plane.kinds())
+        plane.down = True
+        soon(fenced, timeout=10)
+    finally:
+        plane.down = False
+        agent.abort()
+        thread.join(10)
+    err.append(capsys.readouterr().err)
+    events = [json.loads(line) for line in "".join(err).splitlines()]
+    assert first == [True]
+    assert [e["offer_id"] for e in events if e["event"] == "execution_fenced"] == [offer_id(1)]
+
+
 # ---------------------------------------------- a real agent, a real partition
 
 
