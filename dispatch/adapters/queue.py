@@ -16,10 +16,11 @@ candidate page, whatever the backlog.
    nothing loads them.
 2. **The rows** (`rows`): for each chosen group, its first candidates after
    this cycle's position in its Project, each an ordered range of the same
-   index with a LIMIT: on PostgreSQL one prepared text whatever the number
-   of groups (a LATERAL over arrays of the groups and their positions, a
-   group read from its start placed after a key before every Run), elsewhere
-   one `UNION ALL` branch per group.
+   index with a LIMIT: on PostgreSQL prepared — one text of plain values
+   for a single group, one for any number of groups (a LATERAL over arrays
+   of the groups and their positions); a group read from its start is
+   placed after a key before every Run. Elsewhere one `UNION ALL` branch per
+   group.
 
 The SQL is written per database vendor where JSON is involved (PostgreSQL
 `jsonb` containment; SQLite's `json_each`); everything else is the same text.
@@ -338,9 +339,9 @@ class OrmQueueReader:
         return found
 
     def _rows_prepared(self, wanted: Sequence[RowsWanted]) -> list[tuple[Any, ...]]:
-        """PostgreSQL: every group's range in one text whatever the number of
-        groups (a LATERAL over arrays), so it is planned once per connection
-        (qinglong.prepared) instead of on every cycle (issue #12)."""
+        """PostgreSQL: one text for a single group (plain values) and one for
+        any number of groups (a LATERAL over arrays), so each is planned once
+        per connection (qinglong.prepared) instead of on every cycle (issue #12)."""
         project_ids: list[int] = []
         revision_ids: list[int] = []
         priorities: list[int] = []
