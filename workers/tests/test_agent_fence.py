@@ -187,6 +187,54 @@ def test_a_heartbeat_accepted_in_time_never_fences() -> None:
     assert execution is not None and execution.outcome is Outcome.KILLED
 
 
+def _one_offer_agent() -> tuple[FakeControlPlane, Journal, Agent]:
+    """An agent against a fake plane (Session timeout 1 s) with one offer
+    whose fake process runs until stopped."""
+    plane = FakeControlPlane(heartbeat_interval_s=0.1, session_timeout_s=1.0)
+    journal = Journal.memory()
+    agent = Agent(
+        transport=plane,
+        credential="c" * 43,
+        slots=1,
+        executor="process",
+        spawn=Spawner(journal, runs_until_stopped=True),
+        journal=journal,
+        poll_interval_s=0.02,
+        stop_grace_s=0.2,
+        retry_initial_s=0.01,
+        retry_cap_s=0.05,
+    )
+    plane.offers = [an_offer(1)]
+    return plane, journal, agent
+
+
+def _fenced_offers(
+    plane: FakeControlPlane, agent: Agent, capsys: pytest.CaptureFixture[str]
+) -> list[str]:
+    """Runs the agent until its offer runs, cuts the plane off until the fence
+    reports an execution, and returns the offer ids of its `execution_fenced`
+    events (waits at most 10 s for one)."""
+    err: list[str] = []
+
+    def fenced() -> bool:
+        err.append(capsys.readouterr().err)
+        return '"execution_fenced"' in "".join(err)
+
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        soon(lambda: "ack:running" in plane.kinds())
+        plane.down = True
+        soon(fenced, timeout=10)
+    finally:
+        plane.down = False
+        agent.abort()
+        thread.join(10)
+    err.append(capsys.readouterr().err)
+    events = [json.loads(line) for line in "".join(err).splitlines()]
+    return [e["offer_id"] for e in events if e["event"] == "execution_fenced"]
+
+
 def test_an_execution_its_runner_ends_first_is_still_reported_fenced(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -198,20 +246,7 @@ def test_an_execution_its_runner_ends_first_is_still_reported_fenced(
     its runner had already journaled was missing from `execution_fenced`."""
     from workers.agent import protocol
 
-    plane = FakeControlPlane(heartbeat_interval_s=0.1, session_timeout_s=1.0)
-    journal = Journal.memory()
-    agent = Agent(
-        transport=plane,
-        credential="c" * 43,
-        slots=1,
-        executor="process",
-        spawn=Spawner(journal, runs_until_stopped=True),
-        journal=journal,
-        poll_interval_s=0.02,
-        stop_grace_s=0.2,
-        retry_initial_s=0.01,
-        retry_cap_s=0.05,
-    )
+    plane, journal, agent = _one_offer_agent()
     told = protocol.AttemptRunner.fence
 
     def first_to_journal(runner: protocol.AttemptRunner) -> None:
@@ -219,26 +254,7 @@ def test_an_execution_its_runner_ends_first_is_still_reported_fenced(
         journal.mark_finished(runner.offer_id, outcome=Outcome.KILLED, exit_code=None)
 
     monkeypatch.setattr(protocol.AttemptRunner, "fence", first_to_journal)
-    plane.offers = [an_offer(1)]
-    err: list[str] = []
-
-    def fenced() -> bool:
-        err.append(capsys.readouterr().err)
-        return '"execution_fenced"' in "".join(err)
-
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    try:
-        soon(lambda: "ack:running" in plane.kinds())
-        plane.down = True
-        soon(fenced, timeout=10)
-    finally:
-        plane.down = False
-        agent.abort()
-        thread.join(10)
-    err.append(capsys.readouterr().err)
-    events = [json.loads(line) for line in "".join(err).splitlines()]
-    assert [e["offer_id"] for e in events if e["event"] == "execution_fenced"] == [offer_id(1)]
+    assert _fenced_offers(plane, agent, capsys) == [offer_id(1)]
 
 
 def test_an_execution_that_turns_live_while_the_fence_tells_the_runners_is_reported_fenced(
@@ -247,20 +263,7 @@ def test_an_execution_that_turns_live_while_the_fence_tells_the_runners_is_repor
     """The mirror case: an execution the fence's first look did not see live
     (its runner spawned just after) is found by its second look, after the
     runners were told, and is still reported as fenced."""
-    plane = FakeControlPlane(heartbeat_interval_s=0.1, session_timeout_s=1.0)
-    journal = Journal.memory()
-    agent = Agent(
-        transport=plane,
-        credential="c" * 43,
-        slots=1,
-        executor="process",
-        spawn=Spawner(journal, runs_until_stopped=True),
-        journal=journal,
-        poll_interval_s=0.02,
-        stop_grace_s=0.2,
-        retry_initial_s=0.01,
-        retry_cap_s=0.05,
-    )
+    plane, _, agent = _one_offer_agent()
     looks = agent._live
     first: list[bool] = []
 
@@ -271,27 +274,8 @@ def test_an_execution_that_turns_live_while_the_fence_tells_the_runners_is_repor
         return looks(session)
 
     monkeypatch.setattr(agent, "_live", not_yet_at_first)
-    plane.offers = [an_offer(1)]
-    err: list[str] = []
-
-    def fenced() -> bool:
-        err.append(capsys.readouterr().err)
-        return '"execution_fenced"' in "".join(err)
-
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    try:
-        soon(lambda: "ack:running" in plane.kinds())
-        plane.down = True
-        soon(fenced, timeout=10)
-    finally:
-        plane.down = False
-        agent.abort()
-        thread.join(10)
-    err.append(capsys.readouterr().err)
-    events = [json.loads(line) for line in "".join(err).splitlines()]
+    assert _fenced_offers(plane, agent, capsys) == [offer_id(1)]
     assert first == [True]
-    assert [e["offer_id"] for e in events if e["event"] == "execution_fenced"] == [offer_id(1)]
 
 
 # ---------------------------------------------- a real agent, a real partition
