@@ -71,7 +71,7 @@ from _measure import admin, db_url, pid_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E_DB, MICRO_DB, PEER_DB = "ql_bench_e2e", "ql_bench_micro", "ql_bench_peer"
-# Tests use Redis databases 3 and 15; the bench owns 11 (flushed before and after).
+# Tests use Redis databases 3 and 12 to 15; the bench owns 11 (flushed before and after).
 REDIS_URL = "redis://127.0.0.1:6379/11"
 PROJECT, TASK, BULK_TASK = "bench", "noop", "noop-bulk"
 TERMINAL = ("succeeded", "failed", "cancelled")

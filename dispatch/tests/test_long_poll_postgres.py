@@ -1,6 +1,6 @@
 """Long-poll pulls woken by the global cycle's Redis announcement (docs/adr/0001).
 
-Real Redis on loopback (db 15) and real threads on PostgreSQL: a Worker's pull
+Real Redis on loopback (db 14) and real threads on PostgreSQL: a Worker's pull
 waits on its Session's channel; a global cycle claims for that Session and
 announces the offer id; the pull wakes and returns the offer at once.
 """
@@ -24,13 +24,14 @@ from qinglong import testing
 from workers.api.pull import worker_pull
 from workers.models import WorkerSession
 
-REDIS_URL = "redis://127.0.0.1:6379/15"
+# Its own database: test_ops_celery flushes 15 (its broker).
+REDIS_URL = "redis://127.0.0.1:6379/14"
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture(autouse=True)
-def _redis_db15():
+def _redis_db():
     client = redis.Redis.from_url(REDIS_URL)
     client.flushdb()
     yield
