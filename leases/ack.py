@@ -45,7 +45,7 @@ from leases.locks import LeaseChain, lock_lease_for_ack, lock_leases_for_acks
 from leases.models import LeaseState, RunLease
 from leases.timeout import attempt_overdue
 from leases.transitions import AttemptReport, lease_transition
-from leases.writes import Writes
+from leases.writes import AckWrites, Writes
 from output.redaction import redact, redaction_values
 from qinglong.metrics import LOST_RACES
 from runs.models import Attempt, AttemptState, Run, RunState
@@ -273,8 +273,11 @@ def _log_applied_ids(lease_id: int, phase: AckPhase, attempt_state: str) -> None
     )
 
 
-def _ack_in_chain(chain: LeaseChain, item: AckItem, *, session: WorkerSession) -> Outcome:
-    """One ACK under its chain's locks: every check, then the phase's writes.
+def _ack_in_chain(
+    chain: LeaseChain, item: AckItem, *, session: WorkerSession, sink: AckWrites | None = None
+) -> Outcome:
+    """One ACK under its chain's locks: every check, then the phase's writes
+    (handed to `sink` when given, see `_apply`).
 
     Raises `LeaseError` (always before anything is written),
     `IllegalTransition` or `LostRace` (see `_writes_in_steps`).
@@ -308,6 +311,7 @@ def _ack_in_chain(chain: LeaseChain, item: AckItem, *, session: WorkerSession) -
         exit_code=item.exit_code,
         error_code=item.error_code,
         output_tail=item.output_tail,
+        sink=sink,
     )
     return Outcome.APPLIED
 
@@ -332,8 +336,11 @@ def lease_ack_each(
     one statement in the lock order (`leases.locks.lock_leases_for_acks`: all
     Runs and Attempts sorted by Run id, then the Session, then the leases
     sorted by id — never one lease's Session before another's Run), then each
-    ACK's checks and writes, then one commit. A refusal is decided before its
-    ACK writes anything. Should an ACK fail among its writes (a lost race,
+    ACK's checks on the rows in memory, its writes handed to one
+    `leases.writes.AckWrites` and applied set-based (one statement per wave:
+    ACKs of different offers share one, `running` then `succeeded` of one
+    offer are two), then one commit. A refusal is decided before its ACK
+    writes anything. Should an ACK fail among its writes (a lost race,
     which the locks exclude, or an illegal transition an ending through
     `attempt_finish` finds after its first write), the whole transaction rolls
     back and every ACK is applied again on its own, as on SQLite (which
@@ -380,6 +387,7 @@ def _all_in_one_transaction(
 ) -> tuple[list[AckResult | LeaseError], list[tuple[LeaseChain, AckPhase]]]:
     answers: list[AckResult | LeaseError] = []
     applied: list[tuple[LeaseChain, AckPhase]] = []
+    sink = AckWrites()
     with transaction.atomic(durable=True):
         chains = lock_leases_for_acks(
             offer_ids=[item.offer_id for item in items], session_pk=session.pk
@@ -390,7 +398,7 @@ def _all_in_one_transaction(
                 answers.append(_refused(item.offer_id, session))
                 continue
             try:
-                outcome = _ack_in_chain(chain, item, session=session)
+                outcome = _ack_in_chain(chain, item, session=session, sink=sink)
             except LeaseError as err:
                 answers.append(err)  # decided before anything was written
                 continue
@@ -404,6 +412,10 @@ def _all_in_one_transaction(
             if outcome is Outcome.APPLIED:
                 applied.append((chain, item.phase))
             answers.append(_result(item.offer_id, chain.attempt, chain.run, outcome))
+        try:
+            sink.flush()
+        except LostRace:
+            raise _Unsure from None
     return answers, applied
 
 
@@ -417,8 +429,14 @@ def _apply(
     exit_code: int | None,
     error_code: str,
     output_tail: str,
+    sink: AckWrites | None = None,
 ) -> None:
-    """The writes of one accepted phase, under the chain's locks."""
+    """The writes of one accepted phase, under the chain's locks.
+
+    With a `sink` (a batch, `lease_ack_each`), the one-statement phases hand
+    their writes to it instead of applying them; an ending through
+    `attempt_finish`, which writes statement after statement, first has the
+    sink apply what it holds."""
     run, attempt, lease = chain.run, chain.attempt, chain.lease
     writes = Writes()
     if phase is AckPhase.STARTING:
@@ -436,7 +454,7 @@ def _apply(
         )
         writes.run(run, RunState.RUNNING)
         writes.lease_extend(lease, expires_at=now + policy.lease_ttl())
-        writes.apply()
+        _write(writes, sink)
         return
     if phase is AckPhase.RUNNING:
         if attempt_overdue(attempt, now=now):
@@ -451,7 +469,7 @@ def _apply(
             executor_handle=executor_handle[:200],
         )
         writes.lease_extend(lease, expires_at=now + policy.lease_ttl())
-        writes.apply()
+        _write(writes, sink)
         return
     target = PHASE_TARGET[phase]
     report: AttemptReport = {
@@ -469,7 +487,16 @@ def _apply(
             attempt, target, reason=f"ack_{phase}", actor=actor, finished_at=now, **report
         )
         writes.run(run, RunState.SUCCEEDED, finished_at=now)
-        writes.apply()
+        _write(writes, sink)
         return
+    if sink is not None:
+        sink.flush()
     lease_transition(lease, LeaseState.RELEASED, reason=f"ack_{phase}", now=now)
     attempt_finish(attempt, run, target, reason=f"ack_{phase}", actor=actor, now=now, **report)
+
+
+def _write(writes: Writes, sink: AckWrites | None) -> None:
+    if sink is None:
+        writes.apply()
+    else:
+        sink.add(writes)

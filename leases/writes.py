@@ -30,6 +30,7 @@ lock order.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from notifications.services import run_event_emit
 from qinglong.prepared import prepared_cursor, state_literal
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 
-__all__ = ["ClaimCounts", "ClaimWrites", "Guard", "Writes"]
+__all__ = ["AckWrites", "ClaimCounts", "ClaimWrites", "Guard", "Writes"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,12 @@ class _Step:
     returns_id: bool = False
     guarded_where: bool = True  # UPDATE: AND (guard) appended to WHERE; INSERT: WHERE (guard)
     on_applied: list[Any] = field(default_factory=list)  # callbacks(new_id) after success
+    # Set-based application (`AckWrites`): steps of one group are one part of
+    # one statement (`("cas", label, names)` or `("insert", label)`; empty:
+    # not set-based), and the row an UPDATE writes (two steps writing one row
+    # never share a statement).
+    group: tuple[Any, ...] = ()
+    row: tuple[str, int] | None = None
 
 
 _ATTEMPT: Final = Attempt._meta
@@ -150,7 +157,11 @@ def _insert_values(meta: Any, **values: object) -> _Step:
     one (`_saved_value`)."""
     sql, fields = _insert_sql(meta)
     db = _db()
-    return _Step(sql=sql, params=[_saved_value(f, values, db) for f in fields])
+    return _Step(
+        sql=sql,
+        params=[_saved_value(f, values, db) for f in fields],
+        group=("insert", meta.label),
+    )
 
 
 def _saved_value(field: Any, values: Mapping[str, object], db: Any) -> Any:
@@ -197,7 +208,13 @@ def _cas_step(
     for name, value in changes.items():
         params.append(_field(meta, name).get_db_prep_save(value, db))
     params.extend((pk, version, state))
-    return _Step(sql=_cas_sql(meta, tuple(changes)), params=params)
+    names = tuple(changes)
+    return _Step(
+        sql=_cas_sql(meta, names),
+        params=params,
+        group=("cas", meta.label, names),
+        row=(meta.label, pk),
+    )
 
 
 def _legal(
@@ -235,6 +252,9 @@ class Writes:
         # boolean expressions and their parameters, and their answers once applied.
         self._probes: list[tuple[str, list[Any]]] = []
         self._probed: dict[int, bool] = {}
+        # Runs that just ended, reported once written (`run_event_emit`), each
+        # with its probe's index (None: no probe, always reported).
+        self._emits: list[tuple[int | None, Run]] = []
 
     # -- what to write ---------------------------------------------------------
 
@@ -311,10 +331,9 @@ class Writes:
             run.version += 1
             for key, value in changes.items():
                 setattr(run, key, value)
-            if hooks is None or self._probed.get(hooks, True):
-                run_event_emit(run=run)
 
         self._after.append(done)
+        self._emits.append((hooks, run))
 
     def lease_end(
         self, lease: RunLease, to_state: LeaseState, *, reason: str, now: datetime
@@ -382,7 +401,15 @@ class Writes:
         if row is None or row["ok"]:
             for done in self._after:
                 done()
+            self._emit()
         return row
+
+    def _emit(self) -> None:
+        """The webhooks of the Runs these writes ended (after every write: the
+        report reads the Attempt as written)."""
+        for hooks, run in self._emits:
+            if hooks is None or self._probed.get(hooks, True):
+                run_event_emit(run=run)
 
     def _apply_in_one_statement(self, guard: Guard | None) -> dict[str, Any] | None:
         ctes: list[str] = []
@@ -458,6 +485,159 @@ class Writes:
                 elif cursor.rowcount != 1:
                     raise LostRace("a row changed under us")
         return row
+
+
+# ------------------------------------------------ several ACKs' writes at once
+
+
+class AckWrites:
+    """The writes of the ACKs of one batch (`leases.ack.lease_ack_each`),
+    applied set-based on PostgreSQL (docs/adr/0013).
+
+    Each ACK is decided as before, on its chain's rows in memory, and its
+    `Writes` handed here (`add`) instead of applied: its rows in memory take
+    their new values at once (the next item of the same offer is decided on
+    them), and its writes wait. `flush` applies everything added in as few
+    statements as there are *waves*: a wave holds at most one write per row
+    (PostgreSQL applies one change per row and statement), so `running` then
+    `succeeded` of one offer are two waves; ACKs of different offers share
+    a wave. Each wave is one statement of the same shape as `Writes`' — one
+    part per kind of write (`UPDATE … FROM unnest(<arrays>)`, every row's
+    compare-and-set on id, version and state; `INSERT … SELECT * FROM
+    unnest(…)` for the history rows) — and its text depends only on which
+    kinds it holds, not on how many rows: prepared once per connection.
+    Each part must touch exactly as many rows as it was given, else
+    `LostRace` (the caller rolls the whole transaction back). The webhooks
+    of the Runs that ended are recorded after the last wave, in the order
+    the ACKs were added; the wave itself tells which of their Projects have
+    an active subscription, as `Writes` does.
+
+    The caller holds every row's lock (`leases.locks.lock_leases_for_acks`)
+    and flushes before anything that reads or writes those rows otherwise
+    (`leases.end.attempt_finish`) and before it commits.
+    """
+
+    def __init__(self) -> None:
+        self._waves: list[list[Writes]] = []
+        self._rows: list[set[tuple[str, int]]] = []
+        self._added: list[Writes] = []
+
+    def add(self, writes: Writes) -> None:
+        assert connection.vendor == "postgresql", "set-based ACK writes are PostgreSQL's"
+        rows = set()
+        for step in writes._steps:
+            assert step.group, "only compare-and-sets and history rows are set-based"
+            if step.row is not None:
+                rows.add(step.row)
+        # After the last wave that writes one of its rows.
+        wave = 1 + max((i for i, taken in enumerate(self._rows) if taken & rows), default=-1)
+        if wave == len(self._waves):
+            self._waves.append([])
+            self._rows.append(set())
+        self._waves[wave].append(writes)
+        self._rows[wave] |= rows
+        self._added.append(writes)
+        for done in writes._after:
+            done()
+
+    def flush(self) -> None:
+        """Apply every wave added, then record the webhooks."""
+        waves, added = self._waves, self._added
+        self._waves, self._rows, self._added = [], [], []
+        for wave in waves:
+            _apply_wave(wave)
+        for writes in added:
+            writes._emit()
+
+
+_METAS: Final = {meta.label: meta for meta in (_ATTEMPT, _RUN, _LEASE, _EVENT)}
+_GROUP_SQL: dict[tuple[Any, ...], str] = {}
+_SIZED: Final = re.compile(r"\(\d+\)$")
+
+
+def _arrays(fields: Sequence[Any]) -> str:
+    """`unnest` arguments, one array parameter per field. Unsized (`varchar`,
+    not `varchar(16)`): an explicit cast to a sized type truncates, an
+    assignment to the column refuses an over-long value, as `Writes` does."""
+    db = _db()
+    return ", ".join(f"%s::{_SIZED.sub('', field.db_type(db))}[]" for field in fields)
+
+
+def _group_sql(group: tuple[Any, ...]) -> str:
+    """One kind of write over arrays of rows (written once per kind)."""
+    found = _GROUP_SQL.get(group)
+    if found is not None:
+        return found
+    kind, label, *rest = group
+    meta = _METAS[label]
+    table = _q(meta.db_table)
+    if kind == "cas":
+        (names,) = rest
+        state, version, pk = (_field(meta, name) for name in ("state", "version", "id"))
+        # The order of `_cas_step`'s parameters.
+        sets = [state, version, *(_field(meta, name) for name in names)]
+        where = [pk, version, state]
+        fields = [*sets, *where]
+        columns = ", ".join(f"c{index}" for index in range(len(fields)))
+        assignments = ", ".join(f"{_q(f.column)} = v.c{i}" for i, f in enumerate(sets))
+        matches = " AND ".join(
+            f"t.{_q(f.column)} = v.c{len(sets) + i}" for i, f in enumerate(where)
+        )
+        found = (
+            f"UPDATE {table} t SET {assignments} "  # noqa: S608  (names from model metadata; values are parameters)
+            f"FROM unnest({_arrays(fields)}) AS v({columns}) WHERE {matches}"
+        )
+    else:
+        assert kind == "insert", group
+        _, inserted = _insert_sql(meta)
+        found = (
+            f"INSERT INTO {table} ({', '.join(_q(f.column) for f in inserted)}) "  # noqa: S608  (names from model metadata; values are parameters)
+            f"SELECT * FROM unnest({_arrays(inserted)})"
+        )
+    _GROUP_SQL[group] = found
+    return found
+
+
+def _hooked_sql() -> str:
+    """The Projects among an array of ids with an active webhook subscription."""
+    meta = WebhookSubscription._meta
+    return (
+        f"(SELECT array_agg(h.{_q('project_id')}) FROM {_q(meta.db_table)} h "  # noqa: S608  (names from model metadata; values are parameters)
+        f"WHERE h.{_q('active')} AND h.{_q('project_id')} = ANY(%s::bigint[]))"
+    )
+
+
+def _apply_wave(wave: Sequence[Writes]) -> None:
+    groups: dict[tuple[Any, ...], list[_Step]] = {}
+    for writes in wave:
+        for step in writes._steps:
+            groups.setdefault(step.group, []).append(step)
+    kinds = sorted(groups)  # one text per set of kinds, whatever the order added
+    ctes: list[str] = []
+    params: list[Any] = []
+    for index, kind in enumerate(kinds):
+        steps = groups[kind]
+        ctes.append(f"w{index} AS ({_group_sql(kind)} RETURNING 1)")
+        params.extend(list(column) for column in zip(*(step.params for step in steps), strict=True))
+    counts = [f"(SELECT count(*) FROM w{index})" for index in range(len(kinds))]  # noqa: S608  (no values)
+    # Every probe of `Writes` is `_hooks_sql()` of one Project.
+    projects = sorted({probe[1][0] for writes in wave for probe in writes._probes})
+    if projects:
+        counts.append(_hooked_sql())
+        params.append(projects)
+    with prepared_cursor() as cursor:
+        cursor.execute(f"WITH {', '.join(ctes)} SELECT {', '.join(counts)}", params)
+        row = cursor.fetchone()
+    assert row is not None
+    for index, kind in enumerate(kinds):
+        if row[index] != len(groups[kind]):
+            raise LostRace("a row changed under us")
+    if projects:
+        hooked = set(row[-1] or ())
+        for writes in wave:
+            writes._probed = {
+                index: probe[1][0] in hooked for index, probe in enumerate(writes._probes)
+            }
 
 
 # ------------------------------------------------ a page of claims at once

@@ -360,3 +360,86 @@ def test_a_batch_holding_its_locks_past_an_expiry_wins_and_the_sweeper_backs_off
     lease.refresh_from_db()
     assert lease.state == LeaseState.ACTIVE and lease.expires_at > db_now()
     assert Attempt.objects.get(pk=lease.attempt_id).state == AttemptState.STARTING
+
+
+# ------------------------------------------------- the set-based write
+
+
+def test_a_wave_that_misses_a_row_rolls_the_batch_back_and_each_ack_goes_alone() -> None:
+    """The batch's writes are one statement per wave (`leases.writes.AckWrites`),
+    each compare-and-set counted per kind. Should one touch no row (the locks
+    exclude it; a trigger that skips one lease's update forces it here), the
+    whole transaction rolls back — the other leases' Attempts, history rows
+    and Runs of that wave included — and every ACK is applied again alone:
+    the two others land once, the skipped one is refused `lease_conflict`
+    and left as it was."""
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = leased(session, 3)
+    skipped = pairs[1][0]
+    table = RunLease._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION ql_test_skip() RETURNS trigger LANGUAGE plpgsql AS "
+            f"$$ BEGIN IF OLD.id = {int(skipped.pk)} THEN RETURN NULL; END IF; RETURN NEW; END $$"
+        )
+        cursor.execute(
+            f'CREATE TRIGGER ql_test_skip BEFORE UPDATE ON "{table}" '
+            "FOR EACH ROW EXECUTE FUNCTION ql_test_skip()"
+        )
+    try:
+        answers = batch(session, items(pairs, AckPhase.STARTING))
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP TRIGGER ql_test_skip ON "{table}"')
+            cursor.execute("DROP FUNCTION ql_test_skip()")
+    assert isinstance(answers[0], AckResult) and isinstance(answers[2], AckResult), answers
+    assert isinstance(answers[1], LeaseConflict) and answers[1].code == "lease_conflict"
+    for index, (lease, _) in enumerate(pairs):
+        history = list(
+            AttemptEvent.objects.filter(attempt_id=lease.attempt_id)
+            .order_by("id")
+            .values_list("to_state", flat=True)
+        )
+        if index == 1:
+            assert history == ["claimed"]
+            assert Attempt.objects.get(pk=lease.attempt_id).state == AttemptState.CLAIMED
+            assert Run.objects.get(pk=lease.run_id).state == RunState.DISPATCHING
+        else:
+            assert history == ["claimed", "starting"]
+            assert Run.objects.get(pk=lease.run_id).state == RunState.RUNNING
+
+
+def test_running_and_succeeded_of_several_offers_in_one_batch_apply_in_order() -> None:
+    """Two waves (one row is written once per statement): every item's answer,
+    history rows and final rows are those of the same ACKs sent one by one."""
+    session = testing.open_session(testing.make_worker(slots=8)[0]).session
+    pairs, alone = leased(session, 3), leased(session, 3)
+    started(pairs, session)
+    started(alone, session)
+    acks = items(pairs, AckPhase.RUNNING, AckPhase.SUCCEEDED)
+    acks.append(acks[1])  # a repeat of an applied phase in the same batch: UNCHANGED
+    answers = batch(session, acks)
+    assert [a.outcome for a in answers if isinstance(a, AckResult)] == [Outcome.APPLIED] * 6 + [
+        Outcome.UNCHANGED
+    ], answers
+    for ack in items(alone, AckPhase.RUNNING, AckPhase.SUCCEEDED):
+        assert batch(session, [ack])[0].outcome == Outcome.APPLIED  # type: ignore[union-attr]
+
+    def rows(lease: RunLease) -> tuple[Any, ...]:
+        return (
+            RunLease.objects.filter(pk=lease.pk)
+            .values_list("state", "version", "end_reason")
+            .get(),
+            Attempt.objects.filter(pk=lease.attempt_id)
+            .values_list("state", "version", "executor_handle", "exit_code", "error_code")
+            .get(),
+            Run.objects.filter(pk=lease.run_id).values_list("state", "version").get(),
+            list(
+                AttemptEvent.objects.filter(attempt_id=lease.attempt_id)
+                .order_by("id")
+                .values_list("from_state", "to_state", "reason", "actor")
+            ),
+        )
+
+    assert [rows(lease) for lease, _ in pairs] == [rows(lease) for lease, _ in alone]
+    assert rows(pairs[0][0])[2][0] == RunState.SUCCEEDED
