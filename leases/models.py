@@ -34,15 +34,25 @@ class ExecutionOutcome(models.TextChoices):
 class RunLease(models.Model):
     """The authority binding an Attempt to one Worker Session."""
 
-    attempt = models.ForeignKey("runs.Attempt", on_delete=models.PROTECT, related_name="leases")
+    # No index of their own (db_index=False): every lookup by attempt is served by
+    # runlease_unique_generation (attempt, lease_generation) or runlease_one_active,
+    # every lookup by session by runlease_pull (session, pull_id) or
+    # runlease_active_session. A lease row is updated without HOT (its state and
+    # expires_at are indexed), so each index costs an entry on every transition.
+    attempt = models.ForeignKey(
+        "runs.Attempt", on_delete=models.PROTECT, related_name="leases", db_index=False
+    )
     run = models.ForeignKey("runs.Run", on_delete=models.PROTECT, related_name="leases")
     worker = models.ForeignKey("workers.Worker", on_delete=models.PROTECT, related_name="leases")
     session = models.ForeignKey(
-        "workers.WorkerSession", on_delete=models.PROTECT, related_name="leases"
+        "workers.WorkerSession", on_delete=models.PROTECT, related_name="leases", db_index=False
     )
     session_generation = models.PositiveIntegerField()
     lease_generation = models.PositiveIntegerField()
-    offer_id = models.CharField(max_length=64, unique=True)
+    # Unique through Meta.constraints (runlease_offer_id_unique), not unique=True:
+    # on PostgreSQL that would add a second, varchar_pattern_ops index for LIKE
+    # 'prefix%', and offer ids are only ever matched exactly.
+    offer_id = models.CharField(max_length=64)
     token_digest = models.CharField(max_length=64)
     spec_digest = models.CharField(max_length=64)
     placement_score = models.IntegerField(null=True, blank=True)
@@ -73,6 +83,7 @@ class RunLease(models.Model):
         # Leases change only through services: the one operator write is revoking.
         permissions = [("revoke_lease", "Can revoke an active lease")]
         constraints = [
+            models.UniqueConstraint(fields=["offer_id"], name="runlease_offer_id_unique"),
             # At most one active lease per Attempt.
             models.UniqueConstraint(
                 fields=["attempt"], condition=Q(state="active"), name="runlease_one_active"

@@ -149,19 +149,28 @@ class Run(models.Model):
 
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="runs")
     task = models.ForeignKey(Task, on_delete=models.PROTECT, related_name="runs")
-    task_revision = models.ForeignKey(TaskRevision, on_delete=models.PROTECT, related_name="runs")
+    # No index of its own: a revision is never deleted (immutable, no delete in
+    # admin or API), and the one read by revision, the fair candidate read, walks
+    # run_queue_group. A Run's every transition rewrites each of its indexes
+    # (its indexed state changes, so no HOT update).
+    task_revision = models.ForeignKey(
+        TaskRevision, on_delete=models.PROTECT, related_name="runs", db_index=False
+    )
     state = models.CharField(max_length=16, choices=RunState.choices, default=RunState.QUEUED)
     priority = models.IntegerField(default=0)
     queued_at = models.DateTimeField()
     cancel_requested = models.BooleanField(default=False)
     # The Schedule that fired it, if any: its overlap policy asks "is a Run of
     # mine still queued or running?" through the partial index run_schedule_active.
+    # Its own index (run_schedule, for the SET NULL of a Schedule's delete) holds
+    # only the Runs a Schedule fired, not a NULL entry per version of every other Run.
     schedule = models.ForeignKey(
         "schedules.Schedule",
         on_delete=models.SET_NULL,
         null=True,
         blank=True,
         related_name="runs",
+        db_index=False,
     )
     version = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -208,6 +217,9 @@ class Run(models.Model):
                 condition=Q(finished_at__isnull=False),
             ),
             models.Index(
+                fields=["schedule"], name="run_schedule", condition=Q(schedule__isnull=False)
+            ),
+            models.Index(
                 fields=["schedule"],
                 name="run_schedule_active",
                 condition=Q(state__in=["queued", "dispatching", "running"]),
@@ -242,7 +254,9 @@ ATTEMPT_TERMINAL_STATES = frozenset(set(AttemptState) - set(ATTEMPT_ACTIVE_STATE
 class Attempt(models.Model):
     """One try of a Run; only an Attempt is ever claimed."""
 
-    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="attempts")
+    # No index of its own: attempt_unique_number (run, number) serves every
+    # lookup by Run (an Attempt's transitions rewrite each of its indexes).
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="attempts", db_index=False)
     number = models.PositiveIntegerField()
     state = models.CharField(
         max_length=16, choices=AttemptState.choices, default=AttemptState.PENDING
@@ -310,7 +324,8 @@ class AttemptEvent(models.Model):
     """Append-only history of Attempt/Run transitions, for operators."""
 
     attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="events")
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    # No index of its own: attemptevent_run (run, id) serves every lookup by Run.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events", db_index=False)
     from_state = models.CharField(max_length=16)
     to_state = models.CharField(max_length=16)
     # A small fixed vocabulary ("claim", "ack_starting", "lease_expired", …).

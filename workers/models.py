@@ -74,13 +74,20 @@ class SessionEndReason(models.TextChoices):
 class WorkerSession(models.Model):
     """One live connection of a Worker; only the newest is current."""
 
-    worker = models.ForeignKey(Worker, on_delete=models.PROTECT, related_name="sessions")
+    # No index of its own: workersession_unique_generation (worker, generation)
+    # serves every lookup by worker.
+    worker = models.ForeignKey(
+        Worker, on_delete=models.PROTECT, related_name="sessions", db_index=False
+    )
     session_id = models.UUIDField(unique=True)
     generation = models.PositiveIntegerField()
     state = models.CharField(
         max_length=16, choices=SessionState.choices, default=SessionState.ONLINE
     )
-    token_digest = models.CharField(max_length=64, unique=True)
+    # Unique through Meta.constraints (workersession_token_digest_unique): unique=True
+    # would add a varchar_pattern_ops index on PostgreSQL, and a digest is only
+    # ever matched exactly.
+    token_digest = models.CharField(max_length=64)
     executor_types = models.JSONField(default=list)
     labels = models.JSONField(default=dict, blank=True)
     slots = models.PositiveIntegerField(default=1)
@@ -100,6 +107,9 @@ class WorkerSession(models.Model):
     class Meta:
         ordering = ["-id"]
         constraints = [
+            models.UniqueConstraint(
+                fields=["token_digest"], name="workersession_token_digest_unique"
+            ),
             models.UniqueConstraint(
                 fields=["worker", "generation"], name="workersession_unique_generation"
             ),
