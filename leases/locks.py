@@ -28,7 +28,7 @@ from django.db import connection
 from django.utils import timezone
 
 from leases.models import LeaseState, RunLease
-from qinglong.prepared import prepared_cursor
+from qinglong.prepared import int8_params, prepared_cursor
 from qinglong.rows import ModelColumns, load_row
 from runs.models import (
     ATTEMPT_ACTIVE_STATES,
@@ -305,7 +305,7 @@ def lock_claim_rows(
         params.append(_async_commit())
     # Every claim runs it: prepared once per connection (qinglong.prepared).
     with prepared_cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql, int8_params(params))
         names = [column[0] for column in cursor.description]
         values = cursor.fetchone()
     if values is None:
@@ -787,7 +787,7 @@ def lock_claim_batch(keys: Sequence[BatchKey], *, skip_locked: bool) -> ClaimBat
     assert connection.vendor == "postgresql", "a batch of claims is one statement on PostgreSQL"
     sql = _claim_batch_sql(skip=_skip(skip_locked))
     with prepared_cursor() as cursor:  # once per page: prepared once per connection
-        cursor.execute(sql, [*_batch_keys_params(keys), _async_commit()])
+        cursor.execute(sql, int8_params([*_batch_keys_params(keys), _async_commit()]))
         row = cursor.fetchone()
     assert row is not None
     pairs, session_rows, conflicts, now, _, _ = row
@@ -858,7 +858,7 @@ def lock_claim_batch_limits(
     session_keys = sorted({k.session_key for k in locked if k.session_key is not None})
     params = [*_batch_keys_params(keys), project_ids, task_ids, session_keys, now, now]
     with prepared_cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql, int8_params(params))
         row = cursor.fetchone()
     assert row is not None
     projects, tasks, session_rows, conflicts, locked_at = row

@@ -53,7 +53,7 @@ from leases.transitions import (
 )
 from notifications.models import WebhookSubscription
 from notifications.services import run_event_emit
-from qinglong.prepared import prepared_cursor, state_literal
+from qinglong.prepared import int8_params, prepared_cursor, state_literal
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 
 __all__ = ["AckWrites", "ClaimCounts", "ClaimWrites", "Guard", "Writes"]
@@ -877,7 +877,7 @@ class ClaimWrites:
         sql = _claim_batch_sql()
         # One text whatever the page (its values are arrays): prepared once per connection.
         with prepared_cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql, int8_params(params))
             row = cursor.fetchone()
         assert row is not None
         ok, written, runs, events, inserted = row

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-__all__ = ["prepared_cursor", "state_literal"]
+__all__ = ["int8_params", "prepared_cursor", "state_literal"]
 
 # Django opens psycopg connections with `prepare_threshold=None`, which turns
 # off even an explicit `prepare=True`. A threshold no statement reaches
@@ -94,6 +95,38 @@ def state_literal(value: str) -> str:
     if not _STATE.fullmatch(str(value)):
         raise ValueError(f"not a state constant: {value!r}")
     return f"'{value}'"
+
+
+def int8_params(params: Sequence[Any]) -> list[Any]:
+    """`params` with every integer (and every list of integers) sent as bigint.
+
+    psycopg types a Python int by its value — smallint, integer or bigint; a
+    list by its largest element — and keys the statements it prepares by
+    their text *and* their parameters' types. Ids that cross 32,767 or 2**31
+    (or a page that mixes such ids) would make the same text a new prepared
+    statement, parsed and planned anew, once per type combination. As bigint
+    a text has one. A statement passing them casts where the type matters
+    (`%s::integer[]`); PostgreSQL compares integers of every width with one
+    another and writes a bigint into an integer column by assignment. Booleans
+    stay booleans. Elsewhere (SQLite) `params` as they are.
+    """
+    if connections[DEFAULT_DB_ALIAS].vendor != "postgresql":
+        return list(params)
+    from psycopg.types.numeric import Int8
+
+    def typed(value: Any) -> Any:
+        if type(value) is int:
+            return Int8(value)
+        if (
+            type(value) is list
+            and value
+            and all(type(item) is int or item is None for item in value)
+            and any(item is not None for item in value)
+        ):
+            return [None if item is None else Int8(item) for item in value]
+        return value
+
+    return [typed(value) for value in params]
 
 
 def prepared_cursor() -> Any:

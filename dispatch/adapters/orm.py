@@ -13,6 +13,7 @@ checks against these adapters and the in-memory fakes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import uuid
@@ -49,7 +50,7 @@ from leases import policy
 from leases.claim import DatabaseClaimPort
 from leases.models import LeaseState, RunLease
 from qinglong.clock import DatabaseClock
-from qinglong.prepared import prepared_cursor, state_literal
+from qinglong.prepared import int8_params, prepared_cursor, state_literal
 from qinglong.rows import ModelColumns, load_row
 from runs.models import Attempt, AttemptState, Run, RunState, TaskRevision
 from runs.services import revision_definition
@@ -67,9 +68,13 @@ __all__ = [
     "OrmLeaseRecoverySource",
     "OrmPlanSource",
     "OrmWorkerSnapshotSource",
+    "RecoveryFirstPage",
     "active_lease_count",
     "fair_rotation",
     "orm_ports",
+    "recovery_page_from",
+    "recovery_parts",
+    "recovery_width",
     "revisions_read",
     "session_scope_record",
 ]
@@ -110,10 +115,18 @@ class OrmLeaseRecoverySource:
 
     `known_empty`: the caller already found none (a pull's snapshot, read at
     the cycle's `observed_at`), so the first page is empty without a read.
+
+    `first_page`: the first global page the caller already read with its
+    clock (`dispatch.cycles.global_start`), served without a read when the
+    cycle asks for exactly that page (same `observed_at`, `due_before`,
+    `max_deliveries` and limit).
     """
 
-    def __init__(self, *, known_empty: bool = False) -> None:
+    def __init__(
+        self, *, known_empty: bool = False, first_page: RecoveryFirstPage | None = None
+    ) -> None:
         self.known_empty = known_empty
+        self.first_page = first_page
 
     def recover_page(
         self,
@@ -129,6 +142,15 @@ class OrmLeaseRecoverySource:
         after = _id_cursor(cursor)
         if self.known_empty and after is None:
             return Page((), None)
+        first = self.first_page
+        if (
+            first is not None
+            and after is None
+            and scope.session is None
+            and (first.observed_at, first.due_before, first.max_deliveries, first.limit)
+            == (observed_at, due_before, max_deliveries, limit)
+        ):
+            return first.page
         session_uuid = None
         if scope.session is not None:
             session_uuid = _session_uuid(scope)
@@ -149,10 +171,32 @@ class OrmLeaseRecoverySource:
         # Every global cycle reads it: prepared once per connection and shape
         # (qinglong.prepared); its states are literals (the partial indexes).
         with prepared_cursor() as db:
-            db.execute(sql, params)
+            db.execute(sql, int8_params(params))
             rows = db.fetchall()
         items = tuple(_recovered_row(row) for row in rows[:limit])
         return Page(items, items[-1].lease_id if len(rows) > limit else None)
+
+
+@dataclass(frozen=True)
+class RecoveryFirstPage:
+    """A global recovery page read ahead, with the arguments it was read for."""
+
+    observed_at: datetime
+    due_before: datetime
+    max_deliveries: int
+    limit: int
+    page: Page[RecoverableLease]
+
+
+def recovery_page_from(rows: Sequence[Sequence[Any]], limit: int) -> Page[RecoverableLease]:
+    """The page of rows read by `recovery_parts`' statement (`limit` + 1 at most)."""
+    items = tuple(_recovered_row(row) for row in rows[:limit])
+    return Page(items, items[-1].lease_id if len(rows) > limit else None)
+
+
+def recovery_width() -> int:
+    """How many columns a row of the recovery page has."""
+    return sum(len(part) for part in _RECOVERY_PARTS)
 
 
 # The columns a RecoverableLease needs: the revision's command and env are
@@ -198,8 +242,23 @@ def _recovery_sql(*, session: bool, due: bool, after: bool) -> str:
     """
     key = (connection.vendor, session, due, after)
     found = _RECOVERY_SQL.get(key)
-    if found is not None:
-        return found
+    if found is None:
+        leases, rows = recovery_parts(session=session, due=due, after=after, clock=False)
+        found = _RECOVERY_SQL[key] = f"WITH {leases} {rows}"
+    return found
+
+
+def recovery_parts(*, session: bool, due: bool, after: bool, clock: bool) -> tuple[str, str]:
+    """The recovery read's two parts: the CTE `l` of the leases that may be
+    due, and the statement reading the page's rows from it (placeholders, in
+    order: observed_at unless `clock`, max_deliveries, the Session's uuid,
+    due_before (with `clock`: the backoff, an interval), the cursor, False,
+    the row limit).
+
+    `clock`: at the statement's own clock (`statement_timestamp()`, PostgreSQL)
+    instead of a parameter — a global cycle's first statement reads its
+    clock and this page at once (`dispatch.cycles`).
+    """
     qn = connection.ops.quote_name
 
     def t(model: Any) -> str:
@@ -216,33 +275,68 @@ def _recovery_sql(*, session: bool, due: bool, after: bool) -> str:
         state_literal(LeaseState.ACTIVE),
         ", ".join(state_literal(state) for state in SESSION_CURRENT_STATES),
     )
+    now = "statement_timestamp()" if clock else "%s"
     in_session = (
         f"AND l.session_id IN (SELECT s0.id FROM {t(WorkerSession)} s0 WHERE s0.session_id = %s) "  # noqa: S608  (names from model metadata; values are parameters)
         if session
         else ""
     )
-    due_sql = "AND (l.last_delivered_at IS NULL OR l.last_delivered_at <= %s) " if due else ""
+    due_before = "statement_timestamp() - %s" if clock else "%s"
+    due_sql = (
+        f"AND (l.last_delivered_at IS NULL OR l.last_delivered_at <= {due_before}) " if due else ""
+    )
     after_sql = "AND l.id > %s " if after else ""
+    postgresql = connection.vendor == "postgresql"
     # SQLite reads `MATERIALIZED` from 3.35 only (Django 5.2 supports 3.31);
     # its planner needs no such fence here.
-    materialized = "MATERIALIZED " if connection.vendor == "postgresql" else ""
-    found = _RECOVERY_SQL[key] = (
-        f"WITH l AS {materialized}(SELECT * FROM {t(RunLease)} l "  # noqa: S608  (names from model metadata; the states are the models' constants, state_literal; values are parameters)
-        f"WHERE l.state = {active} AND l.expires_at > %s AND l.delivery_count < %s "
-        f"{in_session}{due_sql}{after_sql}) "
-        f"SELECT {', '.join(part.select() for part in _RECOVERY_PARTS)} "
-        f"FROM l "
-        f"JOIN {t(WorkerSession)} s ON s.id = l.session_id "
-        f"JOIN {t(Attempt)} a ON a.id = l.attempt_id "
-        f"JOIN {t(Run)} r ON r.id = l.run_id "
-        f"JOIN {t(TaskRevision)} v ON v.id = r.task_revision_id "
-        f"WHERE s.state IN ({current}) AND s.generation = l.session_generation "
-        f"AND a.state = {state_literal(AttemptState.CLAIMED)} "
-        "AND a.lease_generation = l.lease_generation "
-        f"AND r.state = {state_literal(RunState.DISPATCHING)} AND r.cancel_requested = %s "
-        "ORDER BY l.id LIMIT %s"
+    materialized = "MATERIALIZED " if postgresql else ""
+    leases = (
+        f"l AS {materialized}(SELECT * FROM {t(RunLease)} l "  # noqa: S608  (names from model metadata; the states are the models' constants, state_literal; values are parameters)
+        f"WHERE l.state = {active} AND l.expires_at > {now} AND l.delivery_count < %s "
+        f"{in_session}{due_sql}{after_sql})"
     )
-    return found
+    session_ok = f"s.state IN ({current}) AND s.generation = l.session_generation"
+    attempt_ok = (
+        f"a.state = {state_literal(AttemptState.CLAIMED)} "
+        "AND a.lease_generation = l.lease_generation"
+    )
+    run_ok = f"r.state = {state_literal(RunState.DISPATCHING)} AND r.cancel_requested = %s"
+    select = ", ".join(part.select() for part in _RECOVERY_PARTS)
+    if postgresql:
+        # Each lease's rows by their keys, from `l` (LATERAL ... LIMIT 1: the
+        # planner cannot turn the join around). With the statistics older than
+        # the leases in flight (a burst of claims), the plain joins ran the
+        # dispatching Runs first and `l` once per Run: 4 ms with 2,000 leases
+        # in flight and none due, over a second with all of them due (issue #12).
+        # The checks are answers of the row found by its key, not filters of
+        # the lookup: with a state in its WHERE the planner took a partial
+        # index of that state, as tiny as the old statistics said, and
+        # filtered it by id once per lease.
+        def by_key(part: ModelColumns[Any], on: str, ok: str) -> str:
+            alias = part.alias
+            return (
+                f"JOIN LATERAL (SELECT {part.select()}, ({ok}) AS ok FROM {t(part.model)} "  # noqa: S608  (as above)
+                f"{alias} WHERE {alias}.id = {on} LIMIT 1) {alias} ON {alias}.ok "
+            )
+
+        _, attempt_part, run_part, revision_part, session_part = _RECOVERY_PARTS
+        joins = (
+            by_key(session_part, "l.session_id", session_ok)
+            + by_key(attempt_part, "l.attempt_id", attempt_ok)
+            + by_key(run_part, "l.run_id", run_ok)
+            + by_key(revision_part, "r.task_revision_id", "true")
+        )
+        where = ""
+    else:
+        joins = (
+            f"JOIN {t(WorkerSession)} s ON s.id = l.session_id "
+            f"JOIN {t(Attempt)} a ON a.id = l.attempt_id "
+            f"JOIN {t(Run)} r ON r.id = l.run_id "
+            f"JOIN {t(TaskRevision)} v ON v.id = r.task_revision_id "
+        )
+        where = f"WHERE {session_ok} AND {attempt_ok} AND {run_ok} "
+    rows = f"SELECT {select} FROM l {joins}{where}ORDER BY l.id LIMIT %s"  # noqa: S608  (as above)
+    return leases, rows
 
 
 def _recovered_row(row: Sequence[Any]) -> RecoverableLease:
@@ -444,10 +538,21 @@ class OrmWorkerSnapshotSource:
     `session_page`: in session scope, the page the caller already read for
     exactly that Session (a pull's snapshot, `session_scope_record`), served
     without a read.
+
+    `pages`: in global scope the first page's statement reads up to this many
+    pages at once (the cycle's `worker_max_pages`: the snapshot reads every
+    page until the fleet or that budget ends), and the next pages are served
+    from it — the same rows, in the same pages, as one statement per page
+    would read, from one snapshot, in one round trip (issue #12).
     """
 
-    def __init__(self, *, session_page: tuple[WorkerRecord, ...] | None = None) -> None:
+    def __init__(
+        self, *, session_page: tuple[WorkerRecord, ...] | None = None, pages: int = 1
+    ) -> None:
         self.session_page = session_page
+        self.pages = pages
+        # The pages read ahead: (cursor, limit) -> page.
+        self._ahead: dict[tuple[str, int], Page[WorkerRecord]] = {}
 
     def worker_page(
         self, *, scope: DispatchScope, cursor: str | None, limit: int
@@ -457,7 +562,11 @@ class OrmWorkerSnapshotSource:
         if self.session_page is not None and scope.session is not None and after is None:
             return Page(self.session_page, None)
         if scope.session is None:
-            return _global_worker_page(after, limit)
+            if cursor is not None:
+                ahead = self._ahead.pop((cursor, limit), None)
+                if ahead is not None:
+                    return ahead
+            return self._global_pages(after, limit)
         # Draining Sessions/Workers keep their leases but take no new claims,
         # so they are not in the snapshot at all (only recovery sees them).
         qs: QuerySet[WorkerSession] = WorkerSession.objects.filter(policy.claimable_sessions_q())
@@ -494,12 +603,30 @@ class OrmWorkerSnapshotSource:
         items = tuple(_worker_record(session) for session in page)
         return Page(items, str(page[-1].worker_id) if more else None)
 
+    def _global_pages(self, after: int | None, limit: int) -> Page[WorkerRecord]:
+        """The page after `after`; the first one reads `pages` pages ahead."""
+        pages = self.pages if after is None else 1
+        records = _global_worker_records(after, limit * pages + 1)
+        self._ahead.clear()
+        read: list[Page[WorkerRecord]] = []
+        for start in range(0, limit * pages, limit):
+            items = tuple(records[start : start + limit])
+            more = len(records) > start + limit
+            read.append(Page(items, items[-1].worker_id if more else None))
+            if not more:
+                break
+        for before, page in itertools.pairwise(read):
+            assert before.next_cursor is not None
+            self._ahead[(before.next_cursor, limit)] = page
+        return read[0]
+
 
 _WORKER_PAGE_SQL: dict[tuple[str, bool], str] = {}
 
 
-def _global_worker_page(after: int | None, limit: int) -> Page[WorkerRecord]:
-    """The global Worker page in SQL written once per database (issue #12): every
+def _global_worker_records(after: int | None, count: int) -> list[WorkerRecord]:
+    """The first `count` records of the global Worker snapshot after worker id
+    `after`, in SQL written once per database (issue #12): every
     cycle reads it, and compiling the queryset cost more than running it.
 
     The same rows as the session-scope queryset above: `claimable_sessions_q`
@@ -527,14 +654,12 @@ def _global_worker_page(after: int | None, limit: int) -> Page[WorkerRecord]:
             + f"ORDER BY s.{qn('worker_id')} LIMIT %s"
         )
     params: list[Any] = [] if after is None else [after]
-    params.append(limit + 1)
+    params.append(count)
     with prepared_cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql, int8_params(params))
         rows = cursor.fetchall()
     records = []
-    for worker_id, session_id, generation, types, labels, slots, worker_slots, active in rows[
-        :limit
-    ]:
+    for worker_id, session_id, generation, types, labels, slots, worker_slots, active in rows:
         executor_types, label_map = _capabilities(types, labels)
         records.append(
             WorkerRecord(
@@ -546,8 +671,7 @@ def _global_worker_page(after: int | None, limit: int) -> Page[WorkerRecord]:
                 free_slots=free_slots(capacity(slots, worker_slots), int(active)),
             )
         )
-    more = len(rows) > limit
-    return Page(tuple(records), records[-1].worker_id if more else None)
+    return records
 
 
 def _uuid_text(value: Any) -> str:
@@ -697,6 +821,8 @@ def orm_ports(
     delivered: bool = False,
     recovery_known_empty: bool = False,
     session_page: tuple[WorkerRecord, ...] | None = None,
+    worker_pages: int = 1,
+    recovery_first_page: RecoveryFirstPage | None = None,
 ) -> DispatchPorts:
     """The production wiring of one cycle: ORM sources sharing one `CycleMemo`,
     the one claim path, the database clock (or `clock`, already read).
@@ -709,9 +835,11 @@ def orm_ports(
     """
     memo = CycleMemo()
     return DispatchPorts(
-        recovery=OrmLeaseRecoverySource(known_empty=recovery_known_empty),
+        recovery=OrmLeaseRecoverySource(
+            known_empty=recovery_known_empty, first_page=recovery_first_page
+        ),
         candidates=OrmCandidateSource(memo),
-        workers=OrmWorkerSnapshotSource(session_page=session_page),
+        workers=OrmWorkerSnapshotSource(session_page=session_page, pages=worker_pages),
         plans=OrmPlanSource(memo),
         claims=DatabaseClaimPort(delivered=delivered),
         clock=clock or DatabaseClock(),

@@ -39,7 +39,7 @@ from django.utils.dateparse import parse_datetime
 from dispatch.core.fairness import QueueGroup, RowsWanted, WalkStart
 from dispatch.core.ports import Candidate, DispatchScope
 from leases.models import LeaseState, RunLease
-from qinglong.prepared import prepared_cursor, state_literal
+from qinglong.prepared import int8_params, prepared_cursor, state_literal
 from runs.models import Attempt, AttemptState, Project, Run, RunState, TaskRevision
 from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
@@ -275,7 +275,7 @@ class OrmQueueReader:
         # so the generic plan keeps the partial indexes on queued Runs and
         # active leases.
         with prepared_cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql, int8_params(params))
             rows = cursor.fetchall()
         groups: list[QueueGroup] = []
         for row in rows[:cap]:
@@ -365,30 +365,34 @@ class OrmQueueReader:
                 priority = priorities[0]
                 cursor.execute(
                     _rows_sql(one=True),
-                    [
-                        project_ids[0],
-                        revision_ids[0],
-                        self.observed_at,
-                        priority,
-                        priority,
-                        moments[0],
-                        moments[0],
-                        run_ids[0],
-                        limits[0],
-                    ],
+                    int8_params(
+                        [
+                            project_ids[0],
+                            revision_ids[0],
+                            self.observed_at,
+                            priority,
+                            priority,
+                            moments[0],
+                            moments[0],
+                            run_ids[0],
+                            limits[0],
+                        ]
+                    ),
                 )
             else:
                 cursor.execute(
                     _rows_sql(one=False),
-                    [
-                        project_ids,
-                        revision_ids,
-                        priorities,
-                        moments,
-                        run_ids,
-                        limits,
-                        self.observed_at,
-                    ],
+                    int8_params(
+                        [
+                            project_ids,
+                            revision_ids,
+                            priorities,
+                            moments,
+                            run_ids,
+                            limits,
+                            self.observed_at,
+                        ]
+                    ),
                 )
             return list(cursor.fetchall())
 

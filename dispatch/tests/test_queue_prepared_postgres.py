@@ -8,16 +8,18 @@ and active leases (`qinglong.prepared.state_literal`).
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from dispatch.adapters import orm as orm_module
 from dispatch.adapters.orm import OrmLeaseRecoverySource, OrmWorkerSnapshotSource
 from dispatch.adapters.queue import OrmQueueReader, servable_sessions_cte
-from dispatch.core.fairness import RowsWanted
+from dispatch.core.fairness import QueueGroup, RowsWanted
 from dispatch.core.ports import DispatchScope, SessionRef
 from dispatch.cycles import dispatch_cycle
+from leases.locks import BatchKey, lock_claim_batch
 from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
@@ -105,7 +107,8 @@ def test_a_global_cycle_prepares_its_recovery_and_worker_reads() -> None:
         testing.open_session(worker, slots=16)
     for _ in range(3):  # each claims its budget of 8, reading both Worker pages
         assert dispatch_cycle(scope=DispatchScope.global_()).counts.claims_won == 8
-    recovery = _prepared("WITH l AS MATERIALIZED%")
+    # The first recovery page is read with the clock (dispatch.cycles.global_start).
+    recovery = _prepared("WITH h AS %l AS MATERIALIZED%")
     workers = _prepared('%FROM "workers_workersession" s JOIN%ORDER BY s."worker_id" LIMIT%')
     assert [runs for _, g, c in recovery for runs in (g + c,)] == [3]
     assert [g + c for _, g, c in workers] == [3]
@@ -177,3 +180,42 @@ def test_slot_counts_read_each_active_lease_once_under_statistics_older_than_the
             (document,) = cursor.fetchone()
         plan = (json.loads(document) if isinstance(document, str) else document)[0]["Plan"]
         assert _lease_rows_read(plan) <= active, sql
+
+
+def test_ids_of_every_width_share_one_prepared_statement_per_text() -> None:
+    # psycopg types an int by its value (smallint, integer, bigint; a list by
+    # its largest element) and keys a prepared statement by text and types:
+    # ids crossing 32,767 or 2**31, or a page mixing them, made the same text
+    # new prepared statements, each planned anew (issue 12). As bigint: one.
+    task = testing.make_task()
+    testing.make_run(task)
+    testing.open_session(slots=2)
+    reader = OrmQueueReader(observed_at=db_now(), scope=None)
+    (group,), _ = reader.walk(start=None, cap=8)
+    other = QueueGroup(
+        project_id=str(2**31 + 5), group_id="40000", task_id=group.task_id, servable=True
+    )
+    moment = db_now()
+    widths = [5, 40_000, 2**31 + 7]
+    for run_id in widths:  # a single group, then a mix of widths in one page
+        reader.rows([RowsWanted(group, (run_id % 10, moment, str(run_id)), 8)])
+        reader.rows([RowsWanted(group, (0, moment, str(run_id)), 8), RowsWanted(other, None, 8)])
+        orm_module._global_worker_records(run_id, 9)
+        keys = [
+            BatchKey(0, run_id, 3, None, None, "x" * 64),
+            BatchKey(1, 2**31 + 9, run_id, uuid.uuid4(), None, "y" * 64),
+        ]
+        with transaction.atomic():
+            lock_claim_batch(keys, skip_locked=True)
+    for like in (
+        '%FROM "workers_workersession" s JOIN%worker_id" > $1%',
+        "%unnest($1::integer[], $2::bigint[], $3::bigint[]%FOR UPDATE OF r, a SKIP LOCKED%",
+    ):
+        prepared = _prepared(like)
+        assert len(prepared) <= 1, prepared
+    for like in (
+        "SELECT g.* FROM %",
+        "SELECT a.id, a.version, a.lease_generation, r.id AS run_id%",
+    ):
+        prepared = _prepared(like)  # the rows of several groups, of one group
+        assert [g + c for _, g, c in prepared] == [3], prepared
