@@ -145,6 +145,10 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
     # must cover web workers x threads plus dispatchers; 0 = one per request.
     _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60, minimum=0)
     _db["CONN_HEALTH_CHECKS"] = True
+    # Django's backend, but a connection handed out less than a second ago
+    # (and marked by no error since) is not pinged again before reuse: the
+    # ping was a round trip per Worker request (qinglong/db/postgresql).
+    _db["ENGINE"] = "qinglong.db.postgresql"
     _db.setdefault("OPTIONS", {})
     _db["OPTIONS"].setdefault("connect_timeout", env_int("DB_CONNECT_TIMEOUT_S", 5, minimum=1))
 else:
@@ -401,7 +405,7 @@ CELERY_TIMEZONE = "UTC"
 # QL_CACHE_URL=memory (e.g. a PostgreSQL box without Redis).
 _REDIS_SCHEMES = ("redis://", "rediss://")
 _CACHE_URL = env_str("QL_CACHE_URL", "")
-if not _CACHE_URL and _db["ENGINE"] == "django.db.backends.postgresql":
+if not _CACHE_URL and _db["ENGINE"] == "qinglong.db.postgresql":
     _CACHE_URL = CELERY_BROKER_URL if CELERY_BROKER_URL.startswith(_REDIS_SCHEMES) else "memory"
 if _CACHE_URL and _CACHE_URL != "memory" and not _CACHE_URL.startswith(_REDIS_SCHEMES):
     raise ImproperlyConfigured("QL_CACHE_URL must be a redis:// or rediss:// URL, or memory.")

@@ -1,0 +1,1 @@
+"""Database backends of the control plane (DATABASES' ENGINE)."""
