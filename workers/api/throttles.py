@@ -9,7 +9,7 @@ the cluster, so every web process counts against one limit (README
 `N/period` allows N requests per window: the first request of a key opens a
 window of one period, and past N the answer is 429 with the window's
 remaining seconds as `Retry-After`. A window is one counter: on Redis one
-round trip per request (`SET NX EX`, `INCR`, `PTTL` in one transaction)
+round trip per request (`SET NX EX`, `INCR`, `PTTL` sent together)
 instead of DRF's read and rewrite of a list of every request's time in the
 period — up to 600 timestamps unpickled and pickled again per pull at the
 default rate (issue #12, bench/request_cost.py). Other caches (the per-process
@@ -54,24 +54,53 @@ def _warn_cache_down(err: Exception) -> None:
 
 
 def _redis_window_hit(cache: RedisCache, key: str, duration: int) -> tuple[int, float]:
-    """Counts a request in the key's window on Redis: (count so far, seconds left)."""
-    # Django's private client, which django-stubs does not declare.
+    """Counts a request in the key's window on Redis: (count so far, seconds left).
+
+    `SET NX EX` (a new window's counter), `INCR`, `PTTL`, written to one
+    pooled connection at once and their three replies read back: one round
+    trip. No MULTI/EXEC and no redis-py pipeline object: INCR alone is atomic,
+    and the one interleaving that matters (a window ending between SET and
+    INCR leaves a counter without expiry) is caught by PTTL below. This costs
+    the web process half the CPU of the transactional pipeline it replaces
+    (issue #12, bench/README "The fixed cost of a Worker request"). The pool
+    hands out a connection it has checked (one the server closed is reopened);
+    any error drops the connection, whose unread replies must never answer
+    another command, and reaches the caller (which lets the request through).
+    """
+    # Django's private client, which django-stubs does not declare. The key is
+    # ours (ASCII, short): made without the memcached-compatibility checks.
     backend: Any = cache
-    redis_key = backend.make_and_validate_key(key)
-    client = backend._cache.get_client(redis_key, write=True)
-    pipe = client.pipeline(transaction=True)
-    # A plain integer, as Django's Redis serializer stores ints: INCR-able,
-    # and `cache.get` reads it back.
-    pipe.set(redis_key, 0, ex=duration, nx=True)
-    pipe.incr(redis_key)
-    pipe.pttl(redis_key)
-    _, count, left_ms = pipe.execute()
-    if left_ms < 0:
-        # A counter without expiry would refuse its key forever: whatever made
-        # it (a window that ended between SET and INCR), it ends now + duration.
-        client.expire(redis_key, duration)
-        left_ms = duration * 1000
-    return int(count), left_ms / 1000
+    redis_key = backend.make_key(key)
+    pool = backend._cache.get_client(redis_key, write=True).connection_pool
+    conn = pool.get_connection()
+    try:
+        # A plain integer, as Django's Redis serializer stores ints: INCR-able,
+        # and `cache.get` reads it back.
+        conn.send_packed_command(
+            conn.pack_commands(
+                (
+                    ("SET", redis_key, 0, "EX", duration, "NX"),
+                    ("INCR", redis_key),
+                    ("PTTL", redis_key),
+                )
+            )
+        )
+        conn.read_response()
+        count = int(conn.read_response())
+        left_ms = int(conn.read_response())
+        if left_ms < 0:
+            # A counter without expiry would refuse its key forever: whatever
+            # made it (a window that ended between SET and INCR), it ends now +
+            # duration.
+            conn.send_command("EXPIRE", redis_key, duration)
+            conn.read_response()
+            left_ms = duration * 1000
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    return count, left_ms / 1000
 
 
 # Wall-clock seconds (window ends are kept across processes' restarts).

@@ -199,6 +199,46 @@ def test_a_redis_counter_without_expiry_is_given_one(client: Client) -> None:
         assert 0 < raw.pttl(key) <= 60_000  # else it would refuse the Session forever
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_pooled_redis_connection_the_server_closed_is_reopened_and_counts(
+    client: Client,
+) -> None:
+    """The counter's commands go straight to a pooled connection (no redis-py
+    command retry): one the server closed since must be replaced, the request
+    counted, not let through uncounted."""
+    with _redis_pulls(client, "5/min") as (raw, worker, key_pattern):
+        assert worker.pull()[0].status_code == 200
+        own = raw.client_id()
+        for found in raw.client_list():
+            if found["db"] == "13" and int(found["id"]) != own:
+                raw.client_kill_filter(_id=found["id"])
+        assert worker.pull()[0].status_code == 200
+        [key] = raw.keys(key_pattern)
+        assert int(raw.get(key) or b"") == 2
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_redis_error_reply_drops_the_connection_so_no_reply_answers_another_command(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three commands are written at once: when one fails, its siblings' replies
+    are still unread on the connection, which must never serve the next request."""
+    with (
+        _redis_pulls(client, "5/min") as (raw, worker, key_pattern),
+        caplog.at_level(logging.WARNING, logger="qinglong.workers.throttle"),
+    ):
+        assert worker.pull()[0].status_code == 200
+        [key] = raw.keys(key_pattern)
+        raw.set(key, "not a number", ex=60)  # INCR fails: an error reply
+        assert worker.pull()[0].status_code == 200  # fails open
+        raw.delete(key)
+        assert worker.pull()[0].status_code == 200
+        assert int(raw.get(key) or b"") == 1  # a new window, counted right
+        assert 0 < raw.pttl(key) <= 60_000
+
+
 @pytest.mark.django_db
 def test_a_memory_window_refuses_until_it_ends_then_allows_again(
     client: Client, monkeypatch: pytest.MonkeyPatch
