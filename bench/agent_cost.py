@@ -178,11 +178,8 @@ def measure(
     wall = time.monotonic() - wall0
     cpu, children = _thread_cpu() - cpu0, _children_cpu() - children0
     agent.drain()
+    # `run` returns once every runner is out of the agent's table, its end logged.
     thread.join(timeout=30)
-    for other in threading.enumerate():
-        # Runners log their end after leaving the agent's table: let them.
-        if other.name.startswith("attempt-"):
-            other.join(timeout=30)
     threading.setprofile(None)
     for prof in profiles:
         prof.disable()

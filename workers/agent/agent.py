@@ -13,9 +13,10 @@ docs/adr/0008. Threads:
   it started is ended (TERM, then KILL after the grace) by this thread itself,
   whatever the runners are waiting for, before the control plane's
   lost-execution grace lets a retry start elsewhere (docs/adr/0005, 0008);
-- one runner per Attempt (`AttemptRunner`): ACKs, spawns its process and
-  outlives it (the child's parent-death signal is bound to this thread),
-  retries its ACKs until answered.
+- one runner per Attempt (`AttemptRunner`), on a thread of a pool kept
+  between Attempts: ACKs, spawns its process and outlives it (the child's
+  parent-death signal is bound to this thread), retries its ACKs until
+  answered.
 
 A lost Session ends every process it started (its leases ended with it), and
 the agent opens a new Session and reconciles before it pulls again; nothing of
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import secrets
 import sys
 import threading
@@ -129,10 +131,81 @@ class SessionHandle:
         return f"SessionHandle(session_id={self.session_id!r}, generation={self.generation})"
 
 
+class _RunnerThreads:
+    """The threads Attempts run on, kept between Attempts: a runner is handed
+    to an idle one, a thread is started only when none is idle, and one idle
+    for `idle_s` ends. A thread started per Attempt (and its start handshake)
+    cost about as much CPU as the Attempt's journal writes (issue 12).
+
+    A runner's thread outlives its child (the runner waits for the exit and
+    reaps it), so the child's parent-death signal, bound to the thread that
+    spawned it, never fires early: a thread goes back to the pool, or ends,
+    only after its runner returned. Daemon threads: `Agent.run` waits for
+    every runner before it returns, so the interpreter never ends under a
+    running child of its own accord; an agent killed kills its children
+    through the parent-death signal, as before."""
+
+    def __init__(self, *, idle_s: float = 30.0) -> None:
+        self._lock = threading.Lock()
+        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Idle threads no submitted work is promised to yet: each `put` is
+        # promised to one of them first (the count goes down before the put).
+        self._idle = 0
+        self._idle_s = idle_s
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1
+                self._work.put(work)
+                return
+        threading.Thread(target=self._serve, args=(work,), name="runner", daemon=True).start()
+
+    def _serve(self, work: Callable[[], None]) -> None:
+        while True:
+            work()
+            with self._lock:
+                self._idle += 1
+            try:
+                work = self._work.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:
+                        self._idle -= 1
+                        return  # nothing was promised to this thread: it ends
+                # A submit promised work to an idle thread as this one timed
+                # out: it is on its way.
+                work = self._work.get()
+
+
+class RunnerThread:
+    """One Attempt's run on a pooled thread, started and joined like a thread."""
+
+    def __init__(self, pool: _RunnerThreads, target: Callable[[], None]) -> None:
+        self._pool = pool
+        self._target = target
+        self._done = threading.Event()
+
+    def start(self) -> None:
+        self._pool.submit(self._run)
+
+    def _run(self) -> None:
+        try:
+            self._target()
+        finally:
+            self._done.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+
 @dataclass
 class Running:
     runner: AttemptRunner
-    thread: threading.Thread
+    thread: RunnerThread
     session: SessionHandle
 
 
@@ -201,6 +274,7 @@ class Agent:
         self._heartbeat_now = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None
+        self._runner_threads = _RunnerThreads()
 
     def _backoff(self, cap_s: float | None = None) -> Backoff:
         return Backoff(
@@ -621,11 +695,9 @@ class Agent:
             log=log,
             acks=session.acks,
         )
-        # Not a daemon: the child's parent-death signal is bound to this
-        # thread, which lives as long as the child (it waits for its exit).
-        thread = threading.Thread(
-            target=self._run_attempt, args=(runner,), name=f"attempt-{offer_id[:8]}"
-        )
+        # On a pooled thread, which outlives the child (the runner waits for
+        # its exit): the child's parent-death signal is bound to that thread.
+        thread = RunnerThread(self._runner_threads, lambda: self._run_attempt(runner))
         entry = Running(runner, thread, session)
         with self._lock:
             self.runners[offer_id] = entry
@@ -673,10 +745,8 @@ class Agent:
                 # or stay in `held`: the control plane ends it (`not_held`).
                 self._settle_locally(execution)
                 self.journal.mark_reported(runner.offer_id, report="error")
-        with self._lock:
-            self.outcomes.append(outcome)
-            self.runners.pop(runner.offer_id, None)
-            self._changed.notify_all()
+        # Logged before the runner leaves the table: once `run` returns (it
+        # waits for every runner in the table), every line is written.
         log(
             "attempt_done",
             offer_id=outcome.offer_id,
@@ -686,6 +756,10 @@ class Agent:
             stopped=outcome.stopped,
             report=outcome.report,
         )
+        with self._lock:
+            self.outcomes.append(outcome)
+            self.runners.pop(runner.offer_id, None)
+            self._changed.notify_all()
 
     def _busy(self) -> bool:
         with self._lock:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -122,12 +122,10 @@ def _check_program(name: str, *, env: Mapping[str, str], cwd: str, first: str | 
     if not name:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory")
     # Strings, not Path objects: this runs before every spawn.
-    candidates: Iterable[str]
-    if "/" in name:
-        candidates = (os.path.join(cwd, name),)  # noqa: PTH118
-    else:
-        folders = os.get_exec_path(env)
-        candidates = (os.path.join(cwd, folder, name) for folder in folders)  # noqa: PTH118
+    # The PATH is split only when `first` is not the answer (lazily).
+    candidates: Iterable[str] = (
+        (os.path.join(cwd, name),) if "/" in name else _on_path(name, env=env, cwd=cwd)  # noqa: PTH118
+    )
     if first is not None:
         candidates = itertools.chain((first,), candidates)
     denied = False
@@ -142,6 +140,11 @@ def _check_program(name: str, *, env: Mapping[str, str], cwd: str, first: str | 
     if denied:
         raise PermissionError(errno.EACCES, "Permission denied")
     raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+
+
+def _on_path(name: str, *, env: Mapping[str, str], cwd: str) -> Iterator[str]:
+    for folder in os.get_exec_path(env):
+        yield os.path.join(cwd, folder, name)  # noqa: PTH118
 
 
 def _exit_status(result: os.waitid_result) -> int:
@@ -324,7 +327,7 @@ class LocalProcess:
         return code
 
     def _leftovers(self) -> bool:
-        return procfs.group_members_alive(self.pgid, exclude=(self.pid,))
+        return procfs.GROUPS.members_alive(self.pgid, exclude=(self.pid,))
 
     def close(self) -> None:
         """Done with it: the output file goes (idempotent)."""

@@ -18,15 +18,19 @@ import contextlib
 import functools
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "GROUPS",
     "MARKER_ENV",
+    "GroupScans",
     "ProcInfo",
     "end_execution",
+    "group_members_alive",
     "proc_info",
     "procfs_available",
     "snapshot",
@@ -215,26 +219,105 @@ def group_members_alive(pgid: int, *, exclude: Iterable[int] = ()) -> bool:
     parse: this runs over every process after every Attempt); only a member
     of the group has its stat read, for its state. The leader itself
     (unreaped, so its pid and group id are not handed out again) is excluded
-    by the caller.
+    by the caller. `GROUPS.members_alive` answers the same question for
+    several callers with one pass.
     """
-    skip = {str(pid) for pid in exclude}
-    group = str(pgid).encode()
+    return bool(_scan({pgid: frozenset(str(pid) for pid in exclude)}))
+
+
+def _scan(groups: dict[int, frozenset[str]]) -> set[int]:
+    """The groups of `groups` (process group id: pids left out) that have a
+    live member, from one pass over /proc."""
+    found: set[int] = set()
     getpgid = os.getpgid
     try:
         names = os.listdir("/proc")  # noqa: PTH208  (names, not Path objects: hot)
     except OSError:
-        return False
+        return found
     for name in names:
-        if not name.isdigit() or name in skip:
+        if not name.isdigit():
             continue
         try:
-            if getpgid(int(name)) != pgid:
-                continue
+            group = getpgid(int(name))
         except ProcessLookupError:
             continue  # gone meanwhile
         except OSError:
-            pass  # not ours to ask (a security module): its stat tells
+            group = None  # not ours to ask (a security module): its stat tells
+        if group is not None:
+            skip = groups.get(group)
+            if skip is None or name in skip or group in found:
+                continue
         head = _stat_head(name)
-        if head is not None and len(head) > 2 and head[2] == group and head[0] not in _NOT_RUNNING:
-            return True
-    return False
+        if head is None or len(head) < 3 or head[0] in _NOT_RUNNING:
+            continue
+        try:
+            group = int(head[2])
+        except ValueError:
+            continue
+        skip = groups.get(group)
+        if skip is None or name in skip or group in found:
+            continue
+        found.add(group)
+        if len(found) == len(groups):
+            break
+    return found
+
+
+class _GroupRequest:
+    __slots__ = ("answer", "exclude", "pgid")
+
+    def __init__(self, pgid: int, exclude: frozenset[str]) -> None:
+        self.pgid = pgid
+        self.exclude = exclude
+        self.answer: bool | None = None
+
+
+class GroupScans:
+    """`group_members_alive` for every runner at once, by group commit: a
+    caller with no pass over /proc under way makes one for itself and for
+    whoever asked meanwhile; a caller that finds one under way waits for the
+    next, which starts after its question (so it sees the group as it is
+    now). One pass costs about the same for one group as for sixteen (a
+    `getpgid` per process on the box), and a busy agent's processes end
+    together (issue 12). An idle agent's caller scans at once, as before."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._asked: list[_GroupRequest] = []
+        self._scanning = False
+        self.passes = 0  # for tests and diagnostics
+
+    def members_alive(self, pgid: int, *, exclude: Iterable[int] = ()) -> bool:
+        request = _GroupRequest(pgid, frozenset(str(pid) for pid in exclude))
+        with self._cond:
+            self._asked.append(request)
+            while True:
+                if request.answer is not None:
+                    return request.answer
+                if not self._scanning:
+                    self._scanning = True
+                    batch, self._asked = self._asked, []
+                    self.passes += 1
+                    break
+                self._cond.wait()
+        found: set[int] | None = None
+        try:
+            groups: dict[int, frozenset[str]] = {}
+            for asked in batch:
+                # Two callers of one group (never in practice) leave out both's pids.
+                groups[asked.pgid] = groups.get(asked.pgid, frozenset()) | asked.exclude
+            found = _scan(groups)
+        finally:
+            with self._cond:
+                self._scanning = False
+                for asked in batch:
+                    if found is not None:
+                        asked.answer = asked.pgid in found
+                    elif asked is not request:
+                        # This pass failed: each other caller asks again.
+                        self._asked.append(asked)
+                self._cond.notify_all()
+        return request.answer if request.answer is not None else False
+
+
+GROUPS = GroupScans()

@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from workers.agent.journal import (
 )
 from workers.agent.protocol import CANCELLED, AttemptRunner, Response
 from workers.tests.markers import offer_id
+from workers.tests.polling import eventually
 from workers.tests.test_agent import (
     FakeProcess,
     FakeSpawner,
@@ -360,6 +362,58 @@ def test_release_ends_what_the_job_left_running_in_its_group(tmp_path: Path) -> 
     assert process.release(grace_s=0.3) == 0
     process.close()
     assert not procfs.group_members_alive(process.pgid, exclude=(process.pid,))
+
+
+@linux_only
+def test_one_pass_over_proc_answers_every_runner_that_asked_while_another_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Group commit (issue 12): a runner that asks while a pass is under way
+    # waits for the next one, which answers it and everyone else who asked
+    # meanwhile; each answer is its own group's.
+    spawn = ProcessSpawner(tmp_path)
+    left = spawn(a_spec(command=["sh", "-c", "sleep 30 & echo started"]), offer_id=OFFER)
+    clean = spawn(a_spec(command=["true"]), offer_id=offer_id(0xAC))
+    other = spawn(a_spec(command=["true"]), offer_id=offer_id(0xAD))
+    for process in (left, clean, other):
+        assert process.wait(timeout=10) == 0  # `left` forked its sleep before it exited
+    scans = procfs.GroupScans()
+    real_scan = procfs._scan
+    passes: list[set[int]] = []
+    first_pass = threading.Event()
+    go_on = threading.Event()
+
+    def scan(groups: dict[int, frozenset[str]]) -> set[int]:
+        passes.append(set(groups))
+        if len(passes) == 1:
+            first_pass.set()
+            assert go_on.wait(30)
+        return real_scan(groups)
+
+    monkeypatch.setattr(procfs, "_scan", scan)
+    answers: dict[str, bool] = {}
+
+    def ask(name: str, process: Any) -> None:
+        answers[name] = scans.members_alive(process.pgid, exclude=(process.pid,))
+
+    askers = [threading.Thread(target=ask, args=("clean", clean))]
+    askers[0].start()
+    assert first_pass.wait(30)
+    for name, process in (("left", left), ("other", other)):
+        askers.append(threading.Thread(target=ask, args=(name, process)))
+        askers[-1].start()
+    eventually(lambda: len(scans._asked) == 2, 30, "both wait for the next pass")
+    go_on.set()
+    for thread in askers:
+        thread.join(30)
+    try:
+        assert passes == [{clean.pgid}, {left.pgid, other.pgid}]
+        assert answers == {"clean": False, "left": True, "other": False}
+        assert scans.passes == 2
+    finally:
+        for process in (left, clean, other):
+            process.release(grace_s=1)
+            process.close()
 
 
 @linux_only
