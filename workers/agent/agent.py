@@ -155,15 +155,21 @@ class _RunnerThreads:
 
     def submit(self, work: Callable[[], None]) -> None:
         with self._lock:
-            if self._idle > 0:
+            idle = self._idle > 0
+            if idle:
                 self._idle -= 1
-                self._work.put(work)
-                return
-        threading.Thread(target=self._serve, args=(work,), name="runner", daemon=True).start()
+            self._work.put(work)
+        if not idle:
+            # It takes whichever work is queued first: every thread is alike.
+            threading.Thread(target=self._serve, name="runner", daemon=True).start()
 
-    def _serve(self, work: Callable[[], None]) -> None:
-        while True:
+    def _serve(self) -> None:
+        # No reference to a finished work is kept while idle: its runner (and
+        # the agent, its transport and sockets) goes when nothing else holds it.
+        work: Callable[[], None] | None = self._work.get()
+        while work is not None:
             work()
+            work = None
             with self._lock:
                 self._idle += 1
             try:
