@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, cast
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import Field, Model
 
 __all__ = ["ModelColumns"]
@@ -37,7 +37,8 @@ class ModelColumns(Generic[M]):
             if wanted is None or field.name in wanted or field.primary_key
         ]
         self._columns = [field.get_col(alias) for field in self.fields]
-        self._converters: dict[str, list[list[_Converter]]] = {}
+        self._attnames = [field.attname for field in self.fields]
+        self._converters: dict[str, list[tuple[int, Any, list[_Converter]]]] = {}
         self._select: dict[str, str] = {}
 
     def select(self) -> str:
@@ -53,35 +54,42 @@ class ModelColumns(Generic[M]):
     def __len__(self) -> int:
         return len(self.fields)
 
-    def _converters_now(self) -> list[list[_Converter]]:
-        # Per database vendor: the backend adds its own (SQLite parses datetimes).
-        vendor = connection.vendor
+    def _converters_now(self, db: Any) -> list[tuple[int, Any, list[_Converter]]]:
+        """(position, column, converters) of each field that has converters on
+        `db`'s vendor (the backend adds its own: SQLite parses datetimes);
+        fields without any are left as read."""
+        vendor = db.vendor
         found = self._converters.get(vendor)
         if found is None:
             found = []
-            for field, column in zip(self.fields, self._columns, strict=True):
-                found.append(
-                    [
-                        *connection.ops.get_db_converters(column),
-                        # (not in the stubs) the field's own: JSONField decodes.
-                        *cast(Any, field).get_db_converters(connection),
-                    ]
-                )
+            for position, (field, column) in enumerate(
+                zip(self.fields, self._columns, strict=True)
+            ):
+                converters = [
+                    *db.ops.get_db_converters(column),
+                    # (not in the stubs) the field's own: JSONField decodes.
+                    *cast(Any, field).get_db_converters(db),
+                ]
+                if converters:
+                    found.append((position, column, converters))
             self._converters[vendor] = found
         return found
 
     def load(self, values: Sequence[Any]) -> M:
         """An instance from this model's slice of a row (same order as `select`)."""
-        converted = []
-        for column, value, converters in zip(
-            self._columns, values, self._converters_now(), strict=True
-        ):
+        if len(values) != len(self._attnames):
+            raise ValueError(f"{len(values)} values for {len(self._attnames)} columns")
+        # The default database's wrapper itself, looked up once: every attribute
+        # read through the `connection` proxy is a thread-local lookup of its
+        # own (issue #12: the Session lookup of every Worker request loads two).
+        db = connections[DEFAULT_DB_ALIAS]
+        converted = list(values)
+        for position, column, converters in self._converters_now(db):
+            value = converted[position]
             for converter in converters:
-                value = converter(value, column, connection)
-            converted.append(value)
-        return self.model.from_db(
-            connection.alias, [field.attname for field in self.fields], converted
-        )
+                value = converter(value, column, db)
+            converted[position] = value
+        return self.model.from_db(db.alias, self._attnames, converted)
 
 
 def load_row(parts: Sequence[ModelColumns[Any]], row: Sequence[Any]) -> tuple[list[Any], int]:

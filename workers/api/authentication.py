@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rest_framework import exceptions
-from rest_framework.authentication import BaseAuthentication, get_authorization_header
+from rest_framework import HTTP_HEADER_ENCODING, exceptions
+from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 
@@ -36,7 +36,13 @@ class WorkerPrincipal:
 
 def _bearer(request: Request) -> str | None:
     """The Bearer secret, None when another scheme (or none) is used."""
-    parts = get_authorization_header(request).split()
+    # DRF's `get_authorization_header` reads `request.headers`, which builds a
+    # mapping of every header of the request first (issue #12): the same
+    # value, read from the one WSGI key it comes from.
+    raw: bytes | str = request.META.get("HTTP_AUTHORIZATION", b"")
+    if isinstance(raw, str):
+        raw = raw.encode(HTTP_HEADER_ENCODING)
+    parts = raw.split()
     if not parts or parts[0].lower() != b"bearer":
         return None
     if len(parts) != 2 or len(parts[1]) > _MAX_SECRET_CHARS:
