@@ -43,7 +43,12 @@ class RunLease(models.Model):
         "runs.Attempt", on_delete=models.PROTECT, related_name="leases", db_index=False
     )
     run = models.ForeignKey("runs.Run", on_delete=models.PROTECT, related_name="leases")
-    worker = models.ForeignKey("workers.Worker", on_delete=models.PROTECT, related_name="leases")
+    # No index at all: no read asks for a Worker's leases but among its active
+    # ones (the console's slot counts, through runlease_active), and a Worker is
+    # never deleted (disabled instead; read-only admin, no API delete).
+    worker = models.ForeignKey(
+        "workers.Worker", on_delete=models.PROTECT, related_name="leases", db_index=False
+    )
     session = models.ForeignKey(
         "workers.WorkerSession", on_delete=models.PROTECT, related_name="leases", db_index=False
     )

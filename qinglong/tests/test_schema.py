@@ -28,6 +28,9 @@ UNINDEXED_FOREIGN_KEYS = {
     # A revision is never deleted (immutable, no delete in admin or API); the one
     # read by it, the fair candidate read, walks run_queue_group.
     ("runs_run", "task_revision_id"),
+    # A Worker is never deleted (disabled instead); its leases are read only
+    # among the active ones (the console's slot counts: runlease_active).
+    ("dispatch_runlease", "worker_id"),
 }
 
 
