@@ -75,8 +75,19 @@ class ModelColumns(Generic[M]):
             self._converters[vendor] = found
         return found
 
+    @property
+    def attnames(self) -> list[str]:
+        """The fields' attribute names, in `select` order."""
+        return self._attnames
+
     def load(self, values: Sequence[Any]) -> M:
         """An instance from this model's slice of a row (same order as `select`)."""
+        db = connections[DEFAULT_DB_ALIAS]
+        return self.model.from_db(db.alias, self._attnames, self.convert(values))
+
+    def convert(self, values: Sequence[Any]) -> list[Any]:
+        """This model's slice of a row as `load` hands it to the model: each
+        value through its column's converters (same order as `select`)."""
         if len(values) != len(self._attnames):
             raise ValueError(f"{len(values)} values for {len(self._attnames)} columns")
         # The default database's wrapper itself, looked up once: every attribute
@@ -89,7 +100,7 @@ class ModelColumns(Generic[M]):
             for converter in converters:
                 value = converter(value, column, db)
             converted[position] = value
-        return self.model.from_db(db.alias, self._attnames, converted)
+        return converted
 
 
 def load_row(parts: Sequence[ModelColumns[Any]], row: Sequence[Any]) -> tuple[list[Any], int]:
