@@ -501,7 +501,8 @@ class AckWrites:
     statements as there are *waves*: a wave holds at most one write per row
     (PostgreSQL applies one change per row and statement), so `running` then
     `succeeded` of one offer are two waves; ACKs of different offers share
-    a wave. Each wave is one statement of the same shape as `Writes`' — one
+    a wave. A wave of one ACK is that ACK's own `Writes` statement; any
+    other is one statement of the same shape as `Writes`' — one
     part per kind of write (`UPDATE … FROM unnest(<arrays>)`, every row's
     compare-and-set on id, version and state; `INSERT … SELECT * FROM
     unnest(…)` for the history rows) — and its text depends only on which
@@ -608,6 +609,11 @@ def _hooked_sql() -> str:
 
 
 def _apply_wave(wave: Sequence[Writes]) -> None:
+    if len(wave) == 1:
+        # One ACK's writes: its own statement (`Writes`' text, without arrays
+        # to dump and unnest), exactly as it is applied alone.
+        wave[0]._apply_in_one_statement(None)
+        return
     groups: dict[tuple[Any, ...], list[_Step]] = {}
     for writes in wave:
         for step in writes._steps:

@@ -489,3 +489,20 @@ def test_a_batch_records_the_webhook_of_each_subscribed_success(client: Client) 
     assert attempt["state"] == "succeeded", body
     assert attempt["exit_code"] == 0
     assert Run.objects.get(pk=plain.pk).state == "succeeded"
+
+
+@pytest.mark.postgres
+def test_on_postgresql_a_wave_of_one_ack_is_its_own_write(client: Client) -> None:
+    # `running` then `succeeded` of one offer: two waves of one ACK each, each
+    # written by the single ACK's statement (no arrays to dump and unnest).
+    worker = WorkerClient.open(client, slots=2)
+    offers, token = pulled(worker, 1)
+    assert post_acks(worker, [item(offers[0], "starting", token)]).status_code == 200
+    with CaptureQueriesContext(connection) as queries:
+        response = post_acks(
+            worker, [item(offers[0], "running", token), item(offers[0], "succeeded", token)]
+        )
+    assert [r["status"] for r in response.json()["results"]] == [200, 200]
+    writes = [q["sql"] for q in queries if q["sql"].lstrip().startswith("WITH w0")]
+    assert len(writes) == 2 and not any("unnest" in sql for sql in writes), writes
+    assert [h[1] for h in history(offers[0])] == ["claimed", "starting", "running", "succeeded"]
