@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -137,51 +138,90 @@ class _RunnerThreads:
     for `idle_s` ends. A thread started per Attempt (and its start handshake)
     cost about as much CPU as the Attempt's journal writes (issue 12).
 
+    Work goes to a particular thread, never to a shared queue: each thread
+    has an inbox of its own. `submit` takes an idle thread's inbox off the
+    idle list and puts the work in it, both under the lock, or starts a new
+    thread with the work already in its inbox. A thread whose idle time is
+    up ends only if its inbox is still on the idle list (taken off under the
+    lock); otherwise work was put in it meanwhile, and it runs that. So a
+    thread is never left waiting for work that another thread took.
+
     A runner's thread outlives its child (the runner waits for the exit and
     reaps it), so the child's parent-death signal, bound to the thread that
     spawned it, never fires early: a thread goes back to the pool, or ends,
-    only after its runner returned. Daemon threads: `Agent.run` waits for
-    every runner before it returns, so the interpreter never ends under a
-    running child of its own accord; an agent killed kills its children
-    through the parent-death signal, as before."""
+    only after its runner returned. The threads are daemons only if the
+    thread that starts them is one (the agent's main loop on the main thread
+    starts non-daemon ones): as with a thread per Attempt, the interpreter
+    waits for every running child before it exits, even after an exception
+    in `Agent.run`. When it does, idle threads end at once and a busy one
+    ends as its runner returns (`close`, run before the interpreter waits)."""
 
-    def __init__(self, *, idle_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        *,
+        idle_s: float = 30.0,
+        start: Callable[[threading.Thread], None] = threading.Thread.start,
+    ) -> None:
         self._lock = threading.Lock()
-        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        # Idle threads no submitted work is promised to yet: each `put` is
-        # promised to one of them first (the count goes down before the put).
-        self._idle = 0
+        # The inboxes of idle threads no work is promised to; the newest last
+        # (taken first: the oldest run out their idle time and end).
+        self._idle: list[queue.SimpleQueue[Callable[[], None] | None]] = []
+        self._closed = False
         self._idle_s = idle_s
+        self._start = start  # tests delay a new thread's start
+        _POOLS.add(self)
 
     def submit(self, work: Callable[[], None]) -> None:
         with self._lock:
-            idle = self._idle > 0
-            if idle:
-                self._idle -= 1
-            self._work.put(work)
-        if not idle:
-            # It takes whichever work is queued first: every thread is alike.
-            threading.Thread(target=self._serve, name="runner", daemon=True).start()
+            if self._idle:
+                self._idle.pop().put(work)
+                return
+        # The work is in the new thread's inbox before it starts, not in its
+        # arguments: an idle thread keeps no reference to a finished work (its
+        # runner, the agent, its transport and sockets).
+        inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        inbox.put(work)
+        self._start(threading.Thread(target=self._serve, args=(inbox,), name="runner"))
 
-    def _serve(self) -> None:
-        # No reference to a finished work is kept while idle: its runner (and
-        # the agent, its transport and sockets) goes when nothing else holds it.
-        work: Callable[[], None] | None = self._work.get()
+    def close(self) -> None:
+        """Idle threads end now, busy ones as their runner returns; later
+        work gets a thread of its own."""
+        with self._lock:
+            self._closed = True
+            for inbox in self._idle:
+                inbox.put(None)
+            self._idle.clear()
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        work = inbox.get_nowait()  # put before this thread started
         while work is not None:
             work()
             work = None
             with self._lock:
-                self._idle += 1
+                if self._closed:
+                    return
+                self._idle.append(inbox)
             try:
-                work = self._work.get(timeout=self._idle_s)
+                work = inbox.get(timeout=self._idle_s)
             except queue.Empty:
                 with self._lock:
-                    if self._idle > 0:
-                        self._idle -= 1
+                    if any(idle is inbox for idle in self._idle):
+                        self._idle.remove(inbox)
                         return  # nothing was promised to this thread: it ends
-                # A submit promised work to an idle thread as this one timed
-                # out: it is on its way.
-                work = self._work.get()
+                # Taken off the idle list as this thread timed out: its work
+                # was put in the inbox under the lock, so it is there now.
+                work = inbox.get_nowait()
+
+
+def _close_pools() -> None:
+    for pool in list(_POOLS):
+        pool.close()
+
+
+_POOLS: weakref.WeakSet[_RunnerThreads] = weakref.WeakSet()
+# Before the interpreter waits for its non-daemon threads (the hook
+# concurrent.futures uses): idle runner threads must not hold the exit up.
+threading._register_atexit(_close_pools)  # type: ignore[attr-defined]
 
 
 class RunnerThread:
@@ -1032,7 +1072,12 @@ class Agent:
         finally:
             if self.aborting.is_set():
                 self.abort()
-            self._join_runners()
+            try:
+                self._join_runners()
+            finally:
+                # Its idle runner threads end now (a busy one, left by an
+                # exception, as its runner returns: the interpreter waits).
+                self._runner_threads.close()
             self._closed.set()
             self._heartbeat_now.set()
         return 0

@@ -30,7 +30,6 @@ __all__ = [
     "GroupScans",
     "ProcInfo",
     "end_execution",
-    "group_members_alive",
     "proc_info",
     "procfs_available",
     "snapshot",
@@ -219,8 +218,9 @@ def group_members_alive(pgid: int, *, exclude: Iterable[int] = ()) -> bool:
     parse: this runs over every process after every Attempt); only a member
     of the group has its stat read, for its state. The leader itself
     (unreaped, so its pid and group id are not handed out again) is excluded
-    by the caller. `GROUPS.members_alive` answers the same question for
-    several callers with one pass.
+    by the caller. The agent asks `GROUPS.members_alive`, which answers the
+    same question for several callers with one pass; this one asks alone
+    (not in `__all__`: tests call it by name).
     """
     return bool(_scan({pgid: frozenset(str(pid) for pid in exclude)}))
 

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from dispatch.core.spec import spec_sha256 as server_spec_sha256
-from workers.agent.agent import RunnerThread, _RunnerThreads
 from workers.agent.executor import ProcessSpawner
 from workers.agent.journal import Phase
 from workers.agent.protocol import (
@@ -30,7 +29,6 @@ from workers.agent.protocol import (
     verify_offer,
 )
 from workers.tests.markers import offer_id
-from workers.tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 OFFER_ID = offer_id(0xAB)  # per test process: workers.tests.markers
@@ -285,40 +283,6 @@ def test_without_pidfds_a_thread_of_its_own_waits_for_the_childs_exit(tmp_path, 
     assert Path(f"/proc/{process.pid}").exists()  # a zombie: not reaped
     assert process.release(grace_s=1) == 0
     process.close()
-
-
-def test_an_attempts_thread_runs_a_later_attempt_and_a_busy_one_is_handed_none():
-    # Runners run on pooled threads (issue 12): an Attempt waiting for its
-    # child keeps its thread (the child's parent-death signal is bound to
-    # it), and a later Attempt gets an idle thread instead of a new one.
-    pool = _RunnerThreads()
-    ran: dict[str, int] = {}
-    first_runs = threading.Event()
-    first_may_end = threading.Event()
-
-    def first() -> None:
-        ran["first"] = threading.get_ident()
-        first_runs.set()
-        assert first_may_end.wait(30)
-
-    def recorder(name: str) -> RunnerThread:
-        return RunnerThread(pool, lambda: ran.__setitem__(name, threading.get_ident()))
-
-    busy = RunnerThread(pool, first)
-    busy.start()
-    assert first_runs.wait(30)
-    second = recorder("second")
-    second.start()
-    second.join(30)
-    assert not second.is_alive()
-    assert ran["second"] != ran["first"]  # not queued behind the busy thread
-    first_may_end.set()
-    busy.join(30)
-    eventually(lambda: pool._idle == 2, 30, "both threads idle")
-    third = recorder("third")
-    third.start()
-    third.join(30)
-    assert ran["third"] in (ran["first"], ran["second"])  # no third thread
 
 
 def test_agent_package_imports_no_django():
