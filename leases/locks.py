@@ -544,7 +544,8 @@ def lock_leases_for_acks(*, offer_ids: Sequence[str], session_pk: int) -> dict[s
     assert connection.vendor == "postgresql", "several ACKs lock in one statement on PostgreSQL"
     unique = sorted(set(offer_ids))
     with prepared_cursor() as cursor:
-        cursor.execute(_acks_sql(), [unique, session_pk, session_pk])
+        # The Session's id as bigint whatever its value: one prepared statement.
+        cursor.execute(_acks_sql(), int8_params([unique, session_pk, session_pk]))
         rows = cursor.fetchall()
     chains: dict[str, LeaseChain] = {}
     # One instance per revision (immutable) and for the one Session: read once.

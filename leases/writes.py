@@ -438,9 +438,10 @@ class Writes:
             params.extend(probe_params)
         tail = f"SELECT guard.*, {counts} FROM guard" if guard else f"SELECT {counts}"  # noqa: S608  (names from model metadata; values are parameters)
         # The text depends only on the use case's shape (which steps, which
-        # columns), so PostgreSQL prepares it once per connection.
+        # columns), and its integers go as bigint whatever their values
+        # (`int8_params`), so PostgreSQL prepares it once per connection.
         with prepared_cursor() as cursor:
-            cursor.execute(f"WITH {', '.join(ctes)} {tail}", params)
+            cursor.execute(f"WITH {', '.join(ctes)} {tail}", int8_params(params))
             names = [column.name for column in cursor.description]
             values = cursor.fetchone()
         assert values is not None
@@ -527,7 +528,12 @@ class AckWrites:
         assert connection.vendor == "postgresql", "set-based ACK writes are PostgreSQL's"
         rows = set()
         for step in writes._steps:
-            assert step.group, "only compare-and-sets and history rows are set-based"
+            if not step.group or step.returns_id or step.on_applied:
+                # `_apply_wave` reports counts only: no new id to hand back.
+                raise ValueError(
+                    "only compare-and-sets and history rows are set-based, "
+                    "never a step that returns an id or has callbacks"
+                )
             if step.row is not None:
                 rows.add(step.row)
         # After the last wave that writes one of its rows.
@@ -632,7 +638,9 @@ def _apply_wave(wave: Sequence[Writes]) -> None:
         counts.append(_hooked_sql())
         params.append(projects)
     with prepared_cursor() as cursor:
-        cursor.execute(f"WITH {', '.join(ctes)} SELECT {', '.join(counts)}", params)
+        # Arrays of integers as bigint[] (each cast to its column's type in
+        # the text): one prepared statement per text whatever the ids' widths.
+        cursor.execute(f"WITH {', '.join(ctes)} SELECT {', '.join(counts)}", int8_params(params))
         row = cursor.fetchone()
     assert row is not None
     for index, kind in enumerate(kinds):

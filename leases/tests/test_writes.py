@@ -155,3 +155,22 @@ def test_a_created_lease_gets_its_id_and_every_column_the_orm_would_write() -> N
     )
     assert str(stored.pull_id) == "6f1c2c5e-6f1c-4c5e-8f1c-6f1c2c5e6f1c"
     assert stored.placement_score is None
+
+
+@pytest.mark.postgres
+def test_a_batch_refuses_a_write_that_must_hand_back_a_new_id() -> None:
+    # `AckWrites` applies a wave and reports counts only: a step that returns
+    # an id (a created lease) would never get it, so it is refused when added.
+    from leases.writes import AckWrites
+
+    created = Writes()
+    created.lease_create(RunLease(offer_id="x" * 64))
+    # A history row's insert (set-based) asked for its id.
+    asking = Writes()
+    asking.attempt(
+        Attempt(pk=1, state=AttemptState.CLAIMED), AttemptState.STARTING, reason="r", actor="a"
+    )
+    asking._steps[-1].returns_id = True
+    for writes in (created, asking):
+        with pytest.raises(ValueError, match="returns an id"):
+            AckWrites().add(writes)
