@@ -358,8 +358,8 @@ def lease_ack_each(
         LOST_RACES.labels(operation="ack").inc()
         yield from _each_alone(session, items)
         return
-    for chain, phase in applied:
-        _log_applied(chain, phase)
+    for lease_id, phase, attempt_state in applied:
+        _log_applied_ids(lease_id, phase, attempt_state)
     yield from answers
 
 
@@ -384,9 +384,11 @@ def _writes_in_steps(item: AckItem, chain: LeaseChain) -> bool:
 
 def _all_in_one_transaction(
     session: WorkerSession, items: Sequence[AckItem]
-) -> tuple[list[AckResult | LeaseError], list[tuple[LeaseChain, AckPhase]]]:
+) -> tuple[list[AckResult | LeaseError], list[tuple[int, AckPhase, str]]]:
     answers: list[AckResult | LeaseError] = []
-    applied: list[tuple[LeaseChain, AckPhase]] = []
+    # (lease id, phase, the Attempt's state that ACK left) of each applied
+    # one: several ACKs of one offer share a chain, whose rows end in the last one's state.
+    applied: list[tuple[int, AckPhase, str]] = []
     sink = AckWrites()
     with transaction.atomic(durable=True):
         chains = lock_leases_for_acks(
@@ -410,7 +412,7 @@ def _all_in_one_transaction(
             except LostRace:
                 raise _Unsure from None
             if outcome is Outcome.APPLIED:
-                applied.append((chain, item.phase))
+                applied.append((chain.lease.pk, item.phase, str(chain.attempt.state)))
             answers.append(_result(item.offer_id, chain.attempt, chain.run, outcome))
         try:
             sink.flush()

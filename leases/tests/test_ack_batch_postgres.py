@@ -13,6 +13,7 @@ nothing may deadlock.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -443,3 +444,147 @@ def test_running_and_succeeded_of_several_offers_in_one_batch_apply_in_order() -
 
     assert [rows(lease) for lease, _ in pairs] == [rows(lease) for lease, _ in alone]
     assert rows(pairs[0][0])[2][0] == RunState.SUCCEEDED
+
+
+def _lose_once(attempt_id: int, to_state: str) -> Callable[[], None]:
+    """A trigger that skips, the first time only, the update taking this
+    Attempt to `to_state` (a sequence counts: it survives the rollback); returns
+    the cleanup."""
+    table = Attempt._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE SEQUENCE ql_test_once")
+        cursor.execute(
+            "CREATE FUNCTION ql_test_lose_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"IF OLD.id = {int(attempt_id)} AND NEW.state = '{to_state}' THEN "
+            "IF nextval('ql_test_once') = 1 THEN RETURN NULL; END IF; END IF; "
+            "RETURN NEW; END $$"
+        )
+        cursor.execute(
+            f'CREATE TRIGGER ql_test_lose_once BEFORE UPDATE ON "{table}" '
+            "FOR EACH ROW EXECUTE FUNCTION ql_test_lose_once()"
+        )
+
+    def cleanup() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT last_value, is_called FROM ql_test_once")
+            fired = cursor.fetchone()
+            cursor.execute(f'DROP TRIGGER ql_test_lose_once ON "{table}"')
+            cursor.execute("DROP FUNCTION ql_test_lose_once()")
+            cursor.execute("DROP SEQUENCE ql_test_once")
+        assert fired is not None and fired[1], "the trigger never skipped an update"
+
+    return cleanup
+
+
+def _alone_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many items each fallback to one-by-one (`_each_alone`) was given."""
+    calls: list[int] = []
+    real = ack_use_case._each_alone
+
+    def counted(session: WorkerSession, acks: Any) -> Any:
+        calls.append(len(acks))
+        return real(session, acks)
+
+    monkeypatch.setattr(ack_use_case, "_each_alone", counted)
+    return calls
+
+
+def _history(lease: RunLease) -> list[str]:
+    return list(
+        AttemptEvent.objects.filter(attempt_id=lease.attempt_id)
+        .order_by("id")
+        .values_list("to_state", flat=True)
+    )
+
+
+def test_a_wave_of_one_ack_that_loses_its_race_rolls_back_and_each_ack_goes_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`running` then `succeeded` of one offer: two waves of one ACK, each
+    written by that ACK's own `Writes` statement (`leases.writes._apply_wave`).
+    Should the second touch no row (a trigger skips it, once), the batch rolls
+    back — the first wave's writes too — and each ACK is applied again alone:
+    both land, once each."""
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = leased(session, 1)
+    started(pairs, session)
+    lease = pairs[0][0]
+    alone = _alone_counted(monkeypatch)
+    cleanup = _lose_once(lease.attempt_id, "succeeded")
+    try:
+        answers = batch(session, items(pairs, AckPhase.RUNNING, AckPhase.SUCCEEDED))
+    finally:
+        cleanup()
+    assert alone == [2], alone  # the batch fell back, with both items
+    assert [a.outcome for a in answers if isinstance(a, AckResult)] == [Outcome.APPLIED] * 2
+    assert _history(lease) == ["claimed", "starting", "running", "succeeded"]
+    assert Run.objects.get(pk=lease.run_id).state == RunState.SUCCEEDED
+    assert RunLease.objects.get(pk=lease.pk).state == LeaseState.RELEASED
+
+
+def test_a_lost_race_when_an_ending_first_applies_the_waves_rolls_back_and_goes_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `start_failed` ends through `attempt_finish`, which first has the batch's
+    waves so far applied (`sink.flush()` inside `_apply`). Should that wave
+    lose its race (a trigger skips one row, once), the batch rolls back and
+    each ACK is applied again alone: all three land, once each."""
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = leased(session, 3)
+    started(pairs, session)
+    (first, token1), (second, token2), (ending, token3) = pairs
+    acks = [
+        *items([(first, token1), (second, token2)], AckPhase.RUNNING),
+        AckItem(
+            offer_id=ending.offer_id,
+            phase=AckPhase.START_FAILED,
+            lease_token=token3,
+            spec_sha256=ending.spec_digest,
+            error_code="spawn_failed",
+        ),
+    ]
+    alone = _alone_counted(monkeypatch)
+    cleanup = _lose_once(second.attempt_id, "running")
+    try:
+        answers = batch(session, acks)
+    finally:
+        cleanup()
+    assert alone == [3], alone
+    assert [a.outcome for a in answers if isinstance(a, AckResult)] == [Outcome.APPLIED] * 3
+    assert _history(first) == ["claimed", "starting", "running"]
+    assert _history(second) == ["claimed", "starting", "running"]
+    assert _history(ending) == ["claimed", "starting", "start_failed"]
+    assert RunLease.objects.get(pk=ending.pk).state == LeaseState.RELEASED
+    no_active_lease_on_an_ended_attempt()
+
+
+def test_each_applied_ack_of_a_batch_is_logged_with_the_state_it_left() -> None:
+    """Several ACKs of one offer share its rows, which end in the last one's
+    state: each line tells the Attempt's state that ACK left."""
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = leased(session, 2)
+    lines: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "event", None) == "lease_ack":
+                lines.append(record)
+
+    log = logging.getLogger("qinglong.dispatch")
+    handler, level = Keep(level=logging.INFO), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        answers = batch(
+            session, items(pairs, AckPhase.STARTING, AckPhase.RUNNING, AckPhase.SUCCEEDED)
+        )
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert all(isinstance(a, AckResult) for a in answers), answers
+    logged = [(r.lease_id, r.phase, r.attempt_state) for r in lines]  # type: ignore[attr-defined]
+    assert logged == [
+        (lease.pk, phase, phase)
+        for lease, _ in pairs
+        for phase in ("starting", "running", "succeeded")
+    ], logged
