@@ -125,12 +125,9 @@ class WorkerSession(models.Model):
             models.CheckConstraint(condition=Q(slots__gte=1), name="workersession_slots_gte_1"),
         ]
         indexes = [
-            # Worker snapshot scan (keyset by worker id) and the offline sweeper.
-            models.Index(
-                fields=["worker"],
-                name="workersession_current",
-                condition=Q(state__in=["online", "draining"]),
-            ),
+            # The Worker snapshot scan (keyset by worker id) and the offline
+            # sweeper read current Sessions by worker through the unique
+            # workersession_one_current above (same column, same condition).
             models.Index(
                 fields=["heartbeat_at"],
                 name="workersession_heartbeat",
