@@ -38,14 +38,26 @@ def _drop_fk_index(column: str) -> migrations.RunSQL:
     )
 
 
-def _unique_names(schema_editor: Any) -> list[str]:
-    with schema_editor.connection.cursor() as cursor:
-        found = schema_editor.connection.introspection.get_constraints(cursor, TABLE)
-    return [
-        name
-        for name, info in found.items()
-        if info["unique"] and not info["primary_key"] and info["columns"] == [UNIQUE_COLUMN]
-    ]
+# The unique constraint on the column renamed unless it already has the name.
+# Its current name is looked up by the server when the statement runs, not by
+# this code: `sqlmigrate` only collects the SQL, on a database that may not have
+# the table yet. STRICT: exactly one such constraint, else the migration fails.
+RENAME_UNIQUE = f"""DO $$
+DECLARE found text;
+BEGIN
+  IF NOT EXISTS (
+    SELECT 1 FROM pg_constraint
+    WHERE conrelid = '"{TABLE}"'::regclass AND conname = '{UNIQUE_NAME}'
+  ) THEN
+    SELECT c.conname INTO STRICT found
+    FROM pg_constraint c
+    JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]
+    WHERE c.conrelid = '"{TABLE}"'::regclass AND c.contype = 'u'
+      AND cardinality(c.conkey) = 1 AND a.attname = '{UNIQUE_COLUMN}';
+    EXECUTE 'ALTER TABLE "{TABLE}" RENAME CONSTRAINT ' || quote_ident(found)
+      || ' TO "{UNIQUE_NAME}"';
+  END IF;
+END $$"""
 
 
 def forward(apps: Any, schema_editor: Any) -> None:
@@ -53,12 +65,7 @@ def forward(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor != "postgresql":
         return
     schema_editor.execute(f'DROP INDEX IF EXISTS "{LIKE_INDEX}"')
-    names = _unique_names(schema_editor)
-    if UNIQUE_NAME not in names:
-        (name,) = names
-        schema_editor.execute(
-            f'ALTER TABLE "{TABLE}" RENAME CONSTRAINT "{name}" TO "{UNIQUE_NAME}"'
-        )
+    schema_editor.execute(RENAME_UNIQUE, None)
 
 
 def backward(apps: Any, schema_editor: Any) -> None:
