@@ -173,8 +173,7 @@ class OrmLeaseRecoverySource:
         with prepared_cursor() as db:
             db.execute(sql, int8_params(params))
             rows = db.fetchall()
-        items = tuple(_recovered_row(row) for row in rows[:limit])
-        return Page(items, items[-1].lease_id if len(rows) > limit else None)
+        return recovery_page_from(rows, limit)
 
 
 @dataclass(frozen=True)
