@@ -91,11 +91,20 @@ def active_leases_by_session_sql() -> str:
     the statistics knew no leases (analysed when there were none, before
     the cycle's own claims) counted each Session by reading every active
     lease, a cost of Sessions times leases in flight (issue #12).
+
+    On PostgreSQL the grouped pass is a `MATERIALIZED` CTE: a nested loop
+    may still put it on its inner side (statistics that knew no leases), and
+    a plain subquery there is grouped again for every Session row — each
+    active lease read once per Session; a materialized one is computed once
+    and its rows re-read. (SQLite reads `MATERIALIZED` only from 3.35.)
     """
-    return (
+    grouped = (
         f"SELECT l.session_id, count(*) AS n FROM {_t(RunLease)} l "  # noqa: S608  (names from model metadata; the state is the model's constant, state_literal)
         f"WHERE l.state = {state_literal(LeaseState.ACTIVE)} GROUP BY l.session_id"
     )
+    if connection.vendor != "postgresql":
+        return grouped
+    return f"WITH active_counts AS MATERIALIZED ({grouped}) SELECT session_id, n FROM active_counts"  # noqa: S608  (the text above)
 
 
 def servable_sessions_cte(scope: DispatchScope) -> tuple[str, list[Any]]:
