@@ -6,13 +6,15 @@ processes bounds Runs/s. This measures the agent's share alone: the real
 `true`, live output on), in this process, served by a control plane in
 memory that hands out N offers and answers every request at once (pulls,
 `POST acks`, heartbeats). Printed: this process's CPU ms per Run (utime +
-stime of the agent's own threads; the children's fork/exec is counted apart,
-from their rusage), the wall time, the requests per Run; `--profile` adds a
+stime of the agent's own threads, plus its death guard's from /proc — the
+process that kills its children with it; the children's fork/exec is counted
+apart, from their rusage), the wall time, the requests per Run; `--profile` adds a
 cProfile of every thread of the agent (CPU time) and its top functions.
 
     .venv/bin/python bench/agent_cost.py --runs 600 --slots 16
     .venv/bin/python bench/agent_cost.py --runs 300 --profile
-    .venv/bin/python bench/agent_cost.py --runs 600 --no-setpriv  # the fork fallback
+    .venv/bin/python bench/agent_cost.py --runs 600 --no-guard  # setpriv, as without a guard
+    .venv/bin/python bench/agent_cost.py --runs 600 --no-guard --no-setpriv  # the fork fallback
 
 No database, no network: runs anywhere the agent does.
 """
@@ -38,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.agent.agent import Agent
-from workers.agent.executor import ProcessSpawner
+from workers.agent.executor import ProcessSpawner, death_guard_pid
 from workers.agent.journal import Journal
 from workers.agent.protocol import Response, spec_sha256
 
@@ -138,8 +140,20 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _guard_cpu() -> float:
+    """The agent's death guard's CPU seconds so far (0 without a guard)."""
+    pid = death_guard_pid()
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(
-    runs: int, slots: int, poll: float, *, profile: bool, setpriv: bool = True
+    runs: int, slots: int, poll: float, *, profile: bool, setpriv: bool = True, guard: bool = True
 ) -> dict[str, Any]:
     plane = Plane(runs)
     state = Path(tempfile.mkdtemp(prefix="ql-agent-cost-"))
@@ -151,7 +165,7 @@ def measure(
         credential="credential",
         slots=slots,
         executor="process",
-        spawn=ProcessSpawner(workdir, setpriv=setpriv),
+        spawn=ProcessSpawner(workdir, guard=guard, setpriv=setpriv),
         journal=journal,
         poll_interval_s=poll,
     )
@@ -170,6 +184,7 @@ def measure(
     saved_stderr = sys.stderr
     sys.stderr = Path(os.devnull).open("w")  # noqa: SIM115
     cpu0, children0, wall0 = _thread_cpu(), _children_cpu(), time.monotonic()
+    guard0 = _guard_cpu()
     thread = threading.Thread(target=agent.run, name="agent-main")
     if profile:
         threading.setprofile(thread_profiler)
@@ -177,6 +192,7 @@ def measure(
     finished = plane.done.wait(timeout=max(60.0, runs * 0.2))
     wall = time.monotonic() - wall0
     cpu, children = _thread_cpu() - cpu0, _children_cpu() - children0
+    guard_cpu = _guard_cpu() - guard0
     agent.drain()
     # `run` returns once every runner is out of the agent's table, its end logged.
     thread.join(timeout=30)
@@ -189,7 +205,8 @@ def measure(
     report: dict[str, Any] = {
         "runs": runs,
         "finished": finished,
-        "cpu_ms_per_run": 1000 * cpu / runs,
+        "cpu_ms_per_run": 1000 * (cpu + guard_cpu) / runs,
+        "guard_cpu_ms_per_run": 1000 * guard_cpu / runs,
         "children_cpu_ms_per_run": 1000 * children / runs,
         "wall_s": wall,
         "runs_per_s": runs / wall,
@@ -221,10 +238,21 @@ def main() -> int:
         action="store_false",
         help="spawn as where setpriv is missing (preexec_fn, fork) instead of by vfork",
     )
+    parser.add_argument(
+        "--no-guard",
+        dest="guard",
+        action="store_false",
+        help="no death guard: the parent-death signal set in each child (setpriv or preexec_fn)",
+    )
     args = parser.parse_args()
     if args.profile:
         report = measure(
-            args.runs, args.slots, args.poll_interval, profile=True, setpriv=args.setpriv
+            args.runs,
+            args.slots,
+            args.poll_interval,
+            profile=True,
+            setpriv=args.setpriv,
+            guard=args.guard,
         )
         print(report.pop("profile"))
         print(report)
@@ -232,7 +260,12 @@ def main() -> int:
     cpus, kids, rates = [], [], []
     for _ in range(args.repeat):
         report = measure(
-            args.runs, args.slots, args.poll_interval, profile=False, setpriv=args.setpriv
+            args.runs,
+            args.slots,
+            args.poll_interval,
+            profile=False,
+            setpriv=args.setpriv,
+            guard=args.guard,
         )
         if not report["finished"]:
             print("not every Run ended:", report, file=sys.stderr)
@@ -241,7 +274,8 @@ def main() -> int:
         kids.append(report["children_cpu_ms_per_run"])
         rates.append(report["runs_per_s"])
         print(
-            f"agent CPU {report['cpu_ms_per_run']:.2f} ms/Run (children"
+            f"agent CPU {report['cpu_ms_per_run']:.2f} ms/Run (its guard"
+            f" {report['guard_cpu_ms_per_run']:.2f}; children"
             f" {report['children_cpu_ms_per_run']:.2f}), {report['runs_per_s']:.0f} Runs/s,"
             f" requests/Run {report['requests_per_run']}",
             flush=True,

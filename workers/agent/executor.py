@@ -7,16 +7,22 @@ on Linux, dies with the agent's runner thread (PR_SET_PDEATHSIG) — a courtesy:
 the journal's reconcile at start is what guarantees no orphan outlives a
 restart (docs/adr/0008).
 
-The parent-death signal is set by util-linux's `setpriv --pdeathsig KILL`,
-which then execs the spec's command in the same process: with no
-`preexec_fn`, `subprocess` spawns with `vfork`, where a `fork` of the whole
-agent process (its page tables copied, then torn down by the exec) cost
-more CPU than everything else of a short Attempt (issue 12). Where setpriv
-is missing or too old, a `preexec_fn` sets the signal instead (`fork`).
+On Linux with pidfds the courtesy comes from the agent's death guard (`_Guard`):
+a small process started once per agent process that holds a pidfd of every
+child the agent spawned and SIGKILLs those still running when the agent
+process is gone (its end of a socket pair closes: any death, kill -9
+included). The child is the spec's command alone, spawned by `vfork` with no
+`preexec_fn` and no exec in between: `setpriv --pdeathsig KILL`'s extra exec
+cost about 0.8 ms of CPU per Run, more than the command `true` itself (issue
+12). Where there is no guard, util-linux's `setpriv --pdeathsig KILL` sets
+the parent-death signal, then execs the command in the same process (also
+`vfork`); where setpriv is missing or too old, a `preexec_fn` sets it
+(`fork` of the whole agent).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -26,6 +32,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -42,6 +49,7 @@ from workers.agent.protocol import SpecRefused, clean_output_tail
 __all__ = [
     "LocalProcess",
     "ProcessSpawner",
+    "death_guard_pid",
     "parent_death_signal",
     "parent_death_wrapper",
     "resolve_cwd",
@@ -204,6 +212,162 @@ class _ExitWatcher:
 
 
 _EXITS = _ExitWatcher()
+
+# The guard's whole program, run by `python -I -S -c` (nothing of the agent
+# imported): argv[1] is its end of the socket pair. Each message carries one
+# pidfd (a child to kill with the agent); EOF is the agent process gone. A
+# child's pidfd is dropped once it exits. SIGINT/SIGTERM/SIGHUP (the agent's
+# process group's, e.g. a terminal's or a service manager's) are ignored: the
+# guard outlives the agent's shutdown, its end is the agent's.
+_GUARD_PROGRAM = """
+import os, select, signal, socket, sys
+for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+agent = socket.socket(fileno=int(sys.argv[1]))
+epoll = select.epoll()
+epoll.register(agent.fileno(), select.EPOLLIN)
+held = set()
+while True:
+    for fd, _ in epoll.poll():
+        if fd != agent.fileno():
+            epoll.unregister(fd)
+            os.close(fd)
+            held.discard(fd)
+            continue
+        message, fds, _, _ = socket.recv_fds(agent, 16, 16)
+        if not message and not fds:
+            for pidfd in held:
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+            sys.exit(0)
+        for pidfd in fds:
+            held.add(pidfd)
+            epoll.register(pidfd, select.EPOLLIN)
+"""
+
+
+class _Guard:
+    """The agent's death guard: kills the agent's children when the agent
+    process dies, in place of a parent-death signal set in each child.
+
+    One per agent process, started at the first spawner that asks (`start`),
+    in the agent's process group (what stops the group stops it too; it
+    ignores the group's SIGINT/SIGTERM/SIGHUP and ends when the agent does).
+    `cover(pid)` hands it a pidfd of a just-spawned child: race-free whatever
+    becomes of the pid. Like setpriv's prctl, the cover comes just after the
+    spawn: an agent killed in between leaves that child to the restarted
+    agent's orphan handling (docs/adr/0008). A guard that died is replaced at
+    the next cover; the children it held are no longer covered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._owner = 0  # the pid of the process that started it (a fork starts its own)
+        self._atexit = False
+
+    @property
+    def pid(self) -> int | None:
+        """The guard's pid while one runs for this process (for measurements)."""
+        with self._lock:
+            if self._process is None or self._owner != os.getpid():
+                return None
+            return self._process.pid
+
+    def start(self) -> bool:
+        """Whether a guard runs (started now if need be); False where Linux,
+        Python or the sandbox lack pidfds or passing them over a socket."""
+        with self._lock:
+            return self._start_locked()
+
+    def _start_locked(self) -> bool:
+        if self._socket is not None and self._owner == os.getpid():
+            return True
+        if not sys.platform.startswith("linux") or not all(
+            (
+                hasattr(os, "pidfd_open"),
+                hasattr(signal, "pidfd_send_signal"),
+                hasattr(socket, "send_fds"),
+                hasattr(select, "epoll"),
+            )
+        ):
+            return False
+        try:
+            os.close(os.pidfd_open(os.getpid()))  # a kernel before 5.3 refuses
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError:
+            return False
+        try:
+            with theirs:
+                process = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _GUARD_PROGRAM, str(theirs.fileno())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    env={},  # nothing of the agent's environment (its secrets)
+                    pass_fds=(theirs.fileno(),),
+                )
+        except OSError:
+            ours.close()
+            return False
+        self._socket, self._process, self._owner = ours, process, os.getpid()
+        if not self._atexit:
+            self._atexit = True
+            atexit.register(self.stop)
+        return True
+
+    def stop(self) -> None:
+        """At the interpreter's exit (after its non-daemon threads, the
+        runners, ended): the guard told the agent's end, as a death would,
+        and reaped."""
+        with self._lock:
+            process = self._process if self._owner == os.getpid() else None
+            if self._socket is not None:
+                self._socket.close()
+            self._socket = self._process = None
+        if process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=2)
+
+    def cover(self, pid: int) -> bool:
+        """Hand the guard a pidfd of child `pid`; False: not covered (no
+        guard could be started, or `pid` is gone already)."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        try:
+            with self._lock:
+                for _ in range(2):  # a guard that died is replaced once
+                    if not self._start_locked():
+                        return False
+                    assert self._socket is not None
+                    try:
+                        socket.send_fds(self._socket, [b"p"], [pidfd], socket.MSG_NOSIGNAL)
+                    except OSError:
+                        self._drop_locked()
+                        continue
+                    return True
+                return False
+        finally:
+            os.close(pidfd)
+
+    def _drop_locked(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+        if self._process is not None and self._owner == os.getpid():
+            with contextlib.suppress(OSError):
+                self._process.poll()  # reaped if it died
+        self._socket = self._process = None
+
+
+_GUARD = _Guard()
+
+
+def death_guard_pid() -> int | None:
+    """The pid of this process's death guard, if one runs (tests, benches)."""
+    return _GUARD.pid
 
 
 class LocalProcess:
@@ -381,12 +545,13 @@ class ProcessSpawner:
 
     The work directory is resolved once, here: a spec without a cwd runs in
     it without a path lookup per spawn (a spec's own cwd is still resolved
-    and checked at each spawn, symlinks and all). `setpriv=False`: the
-    parent-death signal from a `preexec_fn` even where setpriv has it (the
-    fallback's tests).
+    and checked at each spawn, symlinks and all). The child's death with the
+    agent: the agent's death guard where Linux has one (`guard=False`: not
+    asked, the fallbacks' tests), else `setpriv --pdeathsig`, else a
+    `preexec_fn` (`setpriv=False`: the preexec_fn even where setpriv has it).
     """
 
-    def __init__(self, workdir: Path, *, setpriv: bool = True) -> None:
+    def __init__(self, workdir: Path, *, guard: bool = True, setpriv: bool = True) -> None:
         self.workdir = workdir
         self._base = workdir.resolve()
         self._wrapper: Sequence[str] = ()
@@ -394,11 +559,24 @@ class ProcessSpawner:
         # first by the next spawn's check, one stat instead of a PATH walk.
         self._programs: dict[tuple[str, str, str], str] = {}
         self._preexec: Callable[[], None] | None = None
-        wrapper = parent_death_wrapper() if setpriv else None
+        self._setpriv = setpriv
+        self._guarded = guard and _GUARD.start()
+        if not self._guarded:
+            self._fall_back()
+
+    def _fall_back(self) -> None:
+        """The parent-death signal set in each child instead of the guard."""
+        self._guarded = False
+        wrapper = parent_death_wrapper() if self._setpriv else None
         if wrapper is not None:
             self._wrapper = wrapper
         else:
             self._preexec = parent_death_signal()
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the agent's death guard kills the children with the agent."""
+        return self._guarded
 
     @property
     def uses_vfork(self) -> bool:
@@ -414,9 +592,9 @@ class ProcessSpawner:
             # Last, over the spec's env: how a restarted agent finds this
             # execution's processes (procfs), whatever became of their pids.
             env[procfs.MARKER_ENV] = offer_id
+        if not command:
+            raise ValueError("empty command")
         if self._wrapper:
-            if not command:
-                raise ValueError("empty command")
             # setpriv execs the command itself: what it could not find or
             # run would be its exit code, not a refused spawn.
             key = (command[0], env.get("PATH", ""), str(cwd))
@@ -427,7 +605,7 @@ class ProcessSpawner:
             command = [*self._wrapper, *command]
         output = tempfile.TemporaryFile()  # noqa: SIM115  (closed by LocalProcess.close)
         try:
-            # No preexec_fn where setpriv sets the parent-death signal: vfork.
+            # No preexec_fn with the guard or setpriv: vfork.
             popen = subprocess.Popen(
                 command,
                 cwd=cwd,
@@ -446,4 +624,9 @@ class ProcessSpawner:
             # The preexec function failed in the child: nothing was executed.
             output.close()
             raise OSError(str(err)) from None
+        if self._guarded and not _GUARD.cover(popen.pid):
+            # No guard could be (re)started: this child runs uncovered (like
+            # one whose agent died before setpriv's prctl); the next ones get
+            # the parent-death signal.
+            self._fall_back()
         return LocalProcess(popen, output, offer_id=offer_id)

@@ -435,7 +435,8 @@ def test_the_parent_death_signal_is_set_in_the_child(tmp_path: Path) -> None:
         "import ctypes; v = ctypes.c_int();"
         "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
     )
-    process = ProcessSpawner(tmp_path)(a_spec(command=[sys.executable, "-c", code]))
+    # Where there is no death guard (with one the child has no signal of its own).
+    process = ProcessSpawner(tmp_path, guard=False)(a_spec(command=[sys.executable, "-c", code]))
     assert process.wait(timeout=30) == 0
     process.release(grace_s=0)
     tail = process.output_tail(100)

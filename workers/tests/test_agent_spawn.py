@@ -1,23 +1,30 @@
-"""How the agent spawns a child (issue 12): by vfork, the parent-death signal
-set by util-linux's `setpriv --pdeathsig KILL` in the child itself, which then
-execs the spec's command in the same process; a `preexec_fn` (fork) where
-setpriv cannot. Either way the child dies with the thread that spawned it, the
-job sees its own argv, the recorded pid and start time are the job's, and a
-program that cannot be run is a refused spawn, not an exit code."""
+"""How the agent spawns a child (issue 12): by vfork, the command exec'd
+directly, the agent's death guard killing it with the agent process; where
+there is no guard, by vfork with the parent-death signal set by util-linux's
+`setpriv --pdeathsig KILL` in the child itself, which then execs the spec's
+command in the same process; a `preexec_fn` (fork) where setpriv cannot.
+Every way the child dies with the agent (with the thread that spawned it,
+for the signal), the job sees its own argv, the recorded pid and start time
+are the job's, and a program that cannot be run is a refused spawn, not an
+exit code."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from workers.agent import procfs
+from workers.agent import executor, procfs
 from workers.agent.executor import LocalProcess, ProcessSpawner, parent_death_wrapper
 from workers.agent.protocol import AttemptRunner
 from workers.tests.markers import offer_id
@@ -26,8 +33,19 @@ from workers.tests.test_agent import TOKEN, FakeTransport, a_spec, an_offer
 
 linux_only = pytest.mark.skipif(not procfs.procfs_available(), reason="needs Linux /proc")
 
-# Both ways of setting the parent-death signal: setpriv (vfork), preexec_fn (fork).
-both_ways = pytest.mark.parametrize("setpriv", [True, False], ids=["setpriv", "preexec"])
+Way = dict[str, bool]  # ProcessSpawner's keyword arguments
+
+# Every way the child dies with the agent: the guard (vfork), the parent-death
+# signal set by setpriv (vfork) or by a preexec_fn (fork).
+all_ways = pytest.mark.parametrize(
+    "way",
+    [{}, {"guard": False}, {"guard": False, "setpriv": False}],
+    ids=["guard", "setpriv", "preexec"],
+)
+# The two ways of setting the parent-death signal itself.
+signal_ways = pytest.mark.parametrize(
+    "way", [{"guard": False}, {"guard": False, "setpriv": False}], ids=["setpriv", "preexec"]
+)
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -62,19 +80,19 @@ def test_setpriv_sets_the_signal_and_the_spawn_is_a_vfork(tmp_path: Path) -> Non
     wrapper = parent_death_wrapper()
     assert wrapper is not None
     assert wrapper[1:] == ("--pdeathsig", "KILL", "--")
-    assert ProcessSpawner(tmp_path).uses_vfork
-    assert not ProcessSpawner(tmp_path, setpriv=False).uses_vfork
+    assert ProcessSpawner(tmp_path, guard=False).uses_vfork
+    assert not ProcessSpawner(tmp_path, guard=False, setpriv=False).uses_vfork
 
 
 @linux_only
-@both_ways
-def test_the_child_reads_back_its_parent_death_signal(tmp_path: Path, setpriv: bool) -> None:
+@signal_ways
+def test_the_child_reads_back_its_parent_death_signal(tmp_path: Path, way: Way) -> None:
     # /proc does not show it; the child reads it back with PR_GET_PDEATHSIG (2).
     code = (
         "import ctypes; v = ctypes.c_int();"
         "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
     )
-    spawner = ProcessSpawner(tmp_path, setpriv=setpriv)
+    spawner = ProcessSpawner(tmp_path, **way)
     process = spawner(a_spec(command=[sys.executable, "-c", code]))
     assert process.wait(timeout=30) == 0
     process.release(grace_s=0)
@@ -84,12 +102,12 @@ def test_the_child_reads_back_its_parent_death_signal(tmp_path: Path, setpriv: b
 
 
 @linux_only
-@both_ways
-def test_the_child_dies_when_the_thread_that_spawned_it_ends(tmp_path: Path, setpriv: bool) -> None:
+@signal_ways
+def test_the_child_dies_when_the_thread_that_spawned_it_ends(tmp_path: Path, way: Way) -> None:
     # PR_SET_PDEATHSIG follows the spawning THREAD, not the process: that is
     # why each runner thread outlives its child. Other threads ending do
     # nothing to it; its own thread ending kills it.
-    spawner = ProcessSpawner(tmp_path, setpriv=setpriv)
+    spawner = ProcessSpawner(tmp_path, **way)
     spawned: dict[str, Any] = {}
     release = threading.Event()
 
@@ -133,13 +151,11 @@ def test_the_recorded_pid_and_start_time_are_the_jobs_own(tmp_path: Path) -> Non
 
 
 @linux_only
-@both_ways
-def test_the_job_sees_its_own_argv(tmp_path: Path, setpriv: bool) -> None:
+@all_ways
+def test_the_job_sees_its_own_argv(tmp_path: Path, way: Way) -> None:
     # No wrapper in the job's argv: $0 and the arguments are the spec's.
     script = 'tr "\\0" " " < /proc/$$/cmdline; echo; echo "$0|$1"'
-    process = ProcessSpawner(tmp_path, setpriv=setpriv)(
-        a_spec(command=["sh", "-c", script, "zero", "one"])
-    )
+    process = ProcessSpawner(tmp_path, **way)(a_spec(command=["sh", "-c", script, "zero", "one"]))
     assert process.wait(timeout=30) == 0
     process.release(grace_s=0)
     lines = process.output_tail(4096).splitlines()
@@ -160,22 +176,22 @@ def _runner(tmp_path: Path, command: list[str], **spawner: Any) -> tuple[Any, Fa
     return runner.run(), transport
 
 
-@both_ways
-def test_a_program_that_is_not_there_is_a_refused_spawn(tmp_path: Path, setpriv: bool) -> None:
+@all_ways
+def test_a_program_that_is_not_there_is_a_refused_spawn(tmp_path: Path, way: Way) -> None:
     # Behind setpriv it would be setpriv's exit 127: found out before spawning.
-    outcome, transport = _runner(tmp_path, ["no-such-program-ql"], setpriv=setpriv)
+    outcome, transport = _runner(tmp_path, ["no-such-program-ql"], **way)
     done = transport.calls[-1]
     assert (done["phase"], done["error_code"]) == ("start_failed", "spawn_failed")
     assert done["output_tail"] == "FileNotFoundError"
     assert (outcome.ran, outcome.stopped) == (False, "spawn_failed")
 
 
-@both_ways
-def test_a_file_that_may_not_be_executed_is_a_refused_spawn(tmp_path: Path, setpriv: bool) -> None:
+@all_ways
+def test_a_file_that_may_not_be_executed_is_a_refused_spawn(tmp_path: Path, way: Way) -> None:
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/sh\ntrue\n")
     script.chmod(0o644)
-    outcome, transport = _runner(tmp_path, [str(script)], setpriv=setpriv)
+    outcome, transport = _runner(tmp_path, [str(script)], **way)
     done = transport.calls[-1]
     assert (done["phase"], done["error_code"]) == ("start_failed", "spawn_failed")
     assert done["output_tail"] == "PermissionError"
@@ -189,8 +205,8 @@ def test_an_empty_command_is_a_refused_spawn(tmp_path: Path) -> None:
     assert outcome.ran is False
 
 
-@both_ways
-def test_the_program_is_found_on_the_specs_path(tmp_path: Path, setpriv: bool) -> None:
+@all_ways
+def test_the_program_is_found_on_the_specs_path(tmp_path: Path, way: Way) -> None:
     # The spec's PATH (not the agent's) is searched, as the exec does.
     tools = tmp_path / "tools"
     tools.mkdir()
@@ -198,7 +214,7 @@ def test_the_program_is_found_on_the_specs_path(tmp_path: Path, setpriv: bool) -
     tool.write_text("#!/bin/sh\necho tool ran\n")
     tool.chmod(0o755)
     spec = a_spec(command=["ql-tool"], env={"PATH": f"{tools}:/usr/bin:/bin"})
-    process = ProcessSpawner(tmp_path, setpriv=setpriv)(spec)
+    process = ProcessSpawner(tmp_path, **way)(spec)
     assert process.wait(timeout=30) == 0
     process.release(grace_s=0)
     tail = process.output_tail(100)
@@ -227,8 +243,8 @@ def test_a_setpriv_without_pdeathsig_falls_back_too(
 
 
 @linux_only
-@both_ways
-def test_the_job_runs_with_the_agents_credentials_unchanged(tmp_path: Path, setpriv: bool) -> None:
+@all_ways
+def test_the_job_runs_with_the_agents_credentials_unchanged(tmp_path: Path, way: Way) -> None:
     # setpriv here only sets the parent-death signal: ids, groups,
     # capabilities, no_new_privs and seccomp are the agent's own.
     fields = ("Uid:", "Gid:", "Groups:", "Cap", "NoNewPrivs:", "Seccomp:")
@@ -236,9 +252,7 @@ def test_the_job_runs_with_the_agents_credentials_unchanged(tmp_path: Path, setp
     def wanted(text: str) -> list[str]:
         return [line for line in text.splitlines() if line.startswith(fields)]
 
-    process = ProcessSpawner(tmp_path, setpriv=setpriv)(
-        a_spec(command=["cat", "/proc/self/status"])
-    )
+    process = ProcessSpawner(tmp_path, **way)(a_spec(command=["cat", "/proc/self/status"]))
     assert process.wait(timeout=30) == 0
     process.release(grace_s=0)
     child = wanted(process.output_tail(64 * 1024))
@@ -274,3 +288,102 @@ def test_a_program_removed_after_a_spawn_is_refused_at_the_next(tmp_path: Path) 
     (second / "ql-tool").write_text("#!/bin/sh\necho second\n")
     (second / "ql-tool").chmod(0o755)
     assert spawn() == "second"
+
+
+# ---- the agent's death guard
+
+_REPO = Path(__file__).resolve().parents[2]
+
+# An agent process in miniature: spawns `sleep 60` from a thread that then
+# ends (the parent-death signal would fire there), prints the child's pid and
+# the guard's, then waits to be killed.
+_STAND_IN = """
+import sys, threading, time
+from pathlib import Path
+from workers.agent import executor
+spawner = executor.ProcessSpawner(Path(sys.argv[1]))
+assert spawner.guarded
+spawned = []
+thread = threading.Thread(
+    target=lambda: spawned.append(spawner({"command": ["sleep", "60"], "env": {}}))
+)
+thread.start()
+thread.join()
+print(spawned[0].pid, executor.death_guard_pid(), flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _held_by(guard: int) -> set[int]:
+    """The pids whose pidfds the guard holds (its fds' fdinfo "Pid:" lines)."""
+    pids = set()
+    for info in Path(f"/proc/{guard}/fdinfo").iterdir():
+        with contextlib.suppress(OSError):
+            for line in info.read_text().splitlines():
+                if line.startswith("Pid:"):
+                    pids.add(int(line.split()[1]))
+    return pids
+
+
+@linux_only
+def test_the_guard_kills_the_child_with_the_agent_process_not_with_its_thread(
+    tmp_path: Path,
+) -> None:
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _STAND_IN, str(tmp_path)],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert agent.stdout is not None
+        child, guard = (int(part) for part in agent.stdout.readline().split())
+        eventually(_is_running(child, ["sleep", "60"]), 10, "sleep exec'd")
+        # The thread that spawned it ended: the child runs on (no signal of its own).
+        time.sleep(0.2)
+        assert _alive(child)
+        eventually(lambda: child in _held_by(guard), 10, "the guard holds the child")
+        # The guard is in the agent's process group and outlives a TERM to it.
+        assert os.getpgid(guard) == agent.pid
+        os.kill(guard, signal.SIGTERM)
+        time.sleep(0.2)
+        assert _alive(guard)
+        agent.kill()  # kill -9 of the agent process alone
+        agent.wait(10)
+        eventually(lambda: not _alive(child), 10, "the guard killed the child")
+        eventually(lambda: not _alive(guard), 10, "the guard ended with the agent")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        if agent.stdout is not None:
+            agent.stdout.close()
+
+
+@linux_only
+def test_a_killed_guard_is_replaced_at_the_next_spawn(tmp_path: Path) -> None:
+    spawner = ProcessSpawner(tmp_path)
+    assert spawner.guarded
+    old = executor.death_guard_pid()
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    eventually(lambda: not _alive(old), 10, "the guard died")
+    process = spawner(a_spec(command=["sleep", "60"]))
+    try:
+        new = executor.death_guard_pid()
+        assert spawner.guarded
+        assert new is not None
+        assert new != old
+        eventually(lambda: process.pid in _held_by(new), 10, "the new guard holds the child")
+    finally:
+        _end(process)
+    # Its exit drops its pidfd.
+    eventually(lambda: process.pid not in _held_by(new), 10, "the guard let go of the child")
