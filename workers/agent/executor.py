@@ -3,9 +3,8 @@
 Each Attempt's process is a `LocalProcess`: it owns the child (its own session
 and process group), the child's output file and its identity (pid, start time,
 process group) for the journal. The child carries the `QL_OFFER_ID` marker and,
-on Linux, dies with the agent's runner thread (PR_SET_PDEATHSIG) — a courtesy:
-the journal's reconcile at start is what guarantees no orphan outlives a
-restart (docs/adr/0008).
+on Linux, dies with the agent — a courtesy: the journal's reconcile at start
+is what guarantees no orphan outlives a restart (docs/adr/0008).
 
 On Linux with pidfds the courtesy comes from the agent's death guard (`_Guard`):
 a small process started once per agent process that holds a pidfd of every
