@@ -387,3 +387,50 @@ def test_a_killed_guard_is_replaced_at_the_next_spawn(tmp_path: Path) -> None:
         _end(process)
     # Its exit drops its pidfd.
     eventually(lambda: process.pid not in _held_by(new), 10, "the guard let go of the child")
+
+
+_READ_SIGNAL = (
+    "import ctypes; v = ctypes.c_int();"
+    "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
+)
+
+
+def _signal_of_child(spawner: ProcessSpawner) -> str:
+    """The parent-death signal a child of `spawner` reads back ("0": none)."""
+    process = spawner(a_spec(command=[sys.executable, "-c", _READ_SIGNAL]))
+    assert process.wait(timeout=30) == 0
+    process.release(grace_s=0)
+    tail = process.output_tail(100).strip()
+    process.close()
+    return tail
+
+
+@linux_only
+def test_with_the_guard_the_child_has_no_signal_of_its_own(tmp_path: Path) -> None:
+    spawner = ProcessSpawner(tmp_path)
+    assert spawner.guarded
+    assert spawner.uses_vfork
+    assert _signal_of_child(spawner) == "0"
+
+
+@linux_only
+def test_no_guard_falls_back_to_the_parent_death_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(executor._GUARD, "start", lambda: False)
+    spawner = ProcessSpawner(tmp_path)
+    assert not spawner.guarded
+    assert spawner.uses_vfork  # setpriv
+    assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+
+
+@linux_only
+def test_a_child_the_guard_could_not_take_turns_the_spawner_to_the_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spawner = ProcessSpawner(tmp_path)
+    assert spawner.guarded
+    monkeypatch.setattr(executor._GUARD, "cover", lambda pid: False)
+    assert _signal_of_child(spawner) == "0"  # spawned before the cover failed
+    assert not spawner.guarded
+    assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
