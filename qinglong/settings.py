@@ -96,12 +96,16 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     # Static files (admin, API docs) from the app itself: an edge box runs no
     # separate web server, and DEBUG stays off outside development.
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    # Static files, the session's user and the messages are WhiteNoise's and
+    # Django's own, passed by for /api/v1/worker/: a token-authenticated JSON
+    # API carries none of them (qinglong.middleware). Session and CSRF stay
+    # Django's by name: `check --deploy` looks for exactly these.
+    "qinglong.middleware.StaticFilesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "qinglong.middleware.BrowserAuthenticationMiddleware",
+    "qinglong.middleware.BrowserMessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 

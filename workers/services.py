@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import Q
 
 from dispatch.core.errors import SpecError
@@ -289,6 +289,8 @@ class SessionRejected(Exception):
 
 _AUTH_SESSION = ModelColumns(WorkerSession, "s")
 _AUTH_WORKER = ModelColumns(Worker, "w")
+# The statement above, written once per database vendor.
+_AUTH_SQL: dict[str, str] = {}
 
 
 def _session_by_token_digest(digest: str) -> WorkerSession | None:
@@ -298,13 +300,16 @@ def _session_by_token_digest(digest: str) -> WorkerSession | None:
     written once instead of compiled per request (`qinglong.rows`); the
     instances are the ones `select_related("worker")` would build.
     """
-    qn = connection.ops.quote_name
-    sql = (
-        f"SELECT {_AUTH_SESSION.select()}, {_AUTH_WORKER.select()} "  # noqa: S608  (names from model metadata; values are parameters)
-        f"FROM {qn(WorkerSession._meta.db_table)} s "
-        f"JOIN {qn(Worker._meta.db_table)} w ON w.{qn('id')} = s.{qn('worker_id')} "
-        f"WHERE s.{qn('token_digest')} = %s"
-    )
+    db = connections[DEFAULT_DB_ALIAS]
+    sql = _AUTH_SQL.get(db.vendor)
+    if sql is None:
+        qn = db.ops.quote_name
+        sql = _AUTH_SQL[db.vendor] = (
+            f"SELECT {_AUTH_SESSION.select()}, {_AUTH_WORKER.select()} "  # noqa: S608  (names from model metadata; values are parameters)
+            f"FROM {qn(WorkerSession._meta.db_table)} s "
+            f"JOIN {qn(Worker._meta.db_table)} w ON w.{qn('id')} = s.{qn('worker_id')} "
+            f"WHERE s.{qn('token_digest')} = %s"
+        )
     # Every Worker request asks it: planned once per connection (qinglong.prepared).
     with prepared_cursor() as cursor:
         cursor.execute(sql, [digest])
