@@ -296,6 +296,9 @@ class _Guard:
         try:
             os.close(os.pidfd_open(os.getpid()))  # a kernel before 5.3 refuses
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            # Non-blocking: a full queue is an error at once (`cover`); with
+            # a blocking socket, MSG_DONTWAIT alone still waited here.
+            ours.setblocking(False)
         except OSError:
             return False
         try:
@@ -331,7 +334,8 @@ class _Guard:
 
     def cover(self, pid: int) -> bool:
         """Hand the guard a pidfd of child `pid`; False: not covered (no
-        guard could be started, or `pid` is gone already)."""
+        guard could be started, the guard takes nothing now, or `pid` is
+        gone already)."""
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:
@@ -344,9 +348,15 @@ class _Guard:
                     assert self._socket is not None
                     try:
                         socket.send_fds(self._socket, [b"p"], [pidfd], socket.MSG_NOSIGNAL)
-                    except OSError:
-                        self._drop_locked()
+                    except (BrokenPipeError, ConnectionResetError):
+                        self._drop_locked()  # the guard is gone: replaced
                         continue
+                    except OSError:
+                        # The guard lives but takes nothing now (stopped, its
+                        # queue full): never wait on it with the lock held
+                        # (every spawn would), nor drop it (its end of the
+                        # socket closing, it would kill the children it holds).
+                        return False
                     return True
                 return False
         finally:

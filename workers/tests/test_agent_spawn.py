@@ -389,6 +389,48 @@ def test_a_killed_guard_is_replaced_at_the_next_spawn(tmp_path: Path) -> None:
     eventually(lambda: process.pid not in _held_by(new), 10, "the guard let go of the child")
 
 
+@linux_only
+def test_a_stopped_guard_never_blocks_a_spawn_and_keeps_its_children(tmp_path: Path) -> None:
+    """A guard that takes nothing (SIGSTOP) fills its socket's queue: the
+    spawns go on uncovered, then with the parent-death signal; the guard is
+    kept, and when it goes on it still holds (and has not killed) its child."""
+    spawner = ProcessSpawner(tmp_path)
+    assert spawner.guarded
+    guard = executor.death_guard_pid()
+    assert guard is not None
+    held = spawner(a_spec(command=["sleep", "60"]))
+    spawned = 0
+    try:
+        eventually(lambda: held.pid in _held_by(guard), 10, "the guard holds the child")
+        os.kill(guard, signal.SIGSTOP)
+
+        def spawn_until_uncovered() -> None:
+            nonlocal spawned
+            while spawner.guarded and spawned < 5000:
+                process = spawner(a_spec(command=["true"]))
+                process.wait(timeout=30)
+                process.release(grace_s=0)
+                process.close()
+                spawned += 1
+
+        worker = threading.Thread(target=spawn_until_uncovered, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), f"a spawn waited on the stopped guard after {spawned}"
+        assert not spawner.guarded
+        assert spawned < 5000
+        assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+    finally:
+        os.kill(guard, signal.SIGCONT)
+    try:
+        assert executor.death_guard_pid() == guard
+        time.sleep(0.2)
+        assert _alive(held.pid)
+        assert held.pid in _held_by(guard)
+    finally:
+        _end(held)
+
+
 _READ_SIGNAL = (
     "import ctypes; v = ctypes.c_int();"
     "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
