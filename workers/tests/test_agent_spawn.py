@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -400,6 +401,12 @@ def test_a_stopped_guard_never_blocks_a_spawn_and_keeps_its_children(tmp_path: P
     assert guard is not None
     held = spawner(a_spec(command=["sleep", "60"]))
     spawned = 0
+    # A small send buffer: the queue fills within a few spawns whatever the
+    # machine's default (wmem_default; 212 KiB here: 278 spawns).
+    ours = executor._GUARD._socket
+    assert ours is not None
+    default = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
     try:
         eventually(lambda: held.pid in _held_by(guard), 10, "the guard holds the child")
         os.kill(guard, signal.SIGSTOP)
@@ -422,6 +429,7 @@ def test_a_stopped_guard_never_blocks_a_spawn_and_keeps_its_children(tmp_path: P
         assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
     finally:
         os.kill(guard, signal.SIGCONT)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, default // 2)
     try:
         assert executor.death_guard_pid() == guard
         time.sleep(0.2)
