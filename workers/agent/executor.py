@@ -569,18 +569,22 @@ class ProcessSpawner:
         self._programs: dict[tuple[str, str, str], str] = {}
         self._preexec: Callable[[], None] | None = None
         self._setpriv = setpriv
+        # Guarded or not, with which wrapper or preexec_fn: read together by
+        # each spawn and changed together (runner threads spawn at once).
+        self._mode_lock = threading.Lock()
         self._guarded = guard and _GUARD.start()
         if not self._guarded:
             self._fall_back()
 
     def _fall_back(self) -> None:
         """The parent-death signal set in each child instead of the guard."""
-        self._guarded = False
         wrapper = parent_death_wrapper() if self._setpriv else None
-        if wrapper is not None:
-            self._wrapper = wrapper
-        else:
-            self._preexec = parent_death_signal()
+        with self._mode_lock:
+            if wrapper is not None:
+                self._wrapper = wrapper
+            else:
+                self._preexec = parent_death_signal()
+            self._guarded = False
 
     @property
     def guarded(self) -> bool:
@@ -603,7 +607,9 @@ class ProcessSpawner:
             env[procfs.MARKER_ENV] = offer_id
         if not command:
             raise ValueError("empty command")
-        if self._wrapper:
+        with self._mode_lock:
+            guarded, wrapper, preexec = self._guarded, self._wrapper, self._preexec
+        if wrapper:
             # setpriv execs the command itself: what it could not find or
             # run would be its exit code, not a refused spawn.
             key = (command[0], env.get("PATH", ""), str(cwd))
@@ -611,7 +617,7 @@ class ProcessSpawner:
             if len(self._programs) >= _PROGRAMS_KEPT:
                 self._programs.clear()
             self._programs[key] = found
-            command = [*self._wrapper, *command]
+            command = [*wrapper, *command]
         output = tempfile.TemporaryFile()  # noqa: SIM115  (closed by LocalProcess.close)
         try:
             # No preexec_fn with the guard or setpriv: vfork.
@@ -623,7 +629,7 @@ class ProcessSpawner:
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=self._preexec,
+                preexec_fn=preexec,
             )
         except (OSError, ValueError):
             # ValueError: what exec refuses before trying (a NUL in argv or env).
@@ -633,7 +639,7 @@ class ProcessSpawner:
             # The preexec function failed in the child: nothing was executed.
             output.close()
             raise OSError(str(err)) from None
-        if self._guarded and not _GUARD.cover(popen.pid):
+        if guarded and not _GUARD.cover(popen.pid):
             # No guard could be (re)started: this child runs uncovered (like
             # one whose agent died before setpriv's prctl); the next ones get
             # the parent-death signal.
