@@ -13,6 +13,7 @@ nothing may deadlock.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from leases.models import LeaseState, RunLease
 from leases.tests.racing import assert_locks_in_order, held_by_someone, race
 from qinglong import testing
 from qinglong.clock import db_now
+from qinglong.logging import JsonFormatter, RedactionFilter
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 from workers.models import WorkerSession
 from workers.services import session_open
@@ -558,16 +560,16 @@ def test_a_lost_race_when_an_ending_first_applies_the_waves_rolls_back_and_goes_
     no_active_lease_on_an_ended_attempt()
 
 
-def test_each_applied_ack_of_a_batch_is_logged_with_the_state_it_left() -> None:
-    """Several ACKs of one offer share its rows, which end in the last one's
-    state: each line tells the Attempt's state that ACK left."""
+def test_the_applied_acks_of_a_batch_are_one_line_with_the_state_each_left() -> None:
+    """One line for the batch. Several ACKs of one offer share its rows, which
+    end in the last one's state: the line tells the Attempt's state each ACK left."""
     session = testing.open_session(testing.make_worker(slots=4)[0]).session
     pairs = leased(session, 2)
     lines: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if getattr(record, "event", None) == "lease_ack":
+            if getattr(record, "event", None) in ("lease_ack", "lease_acks"):
                 lines.append(record)
 
     log = logging.getLogger("qinglong.dispatch")
@@ -582,9 +584,21 @@ def test_each_applied_ack_of_a_batch_is_logged_with_the_state_it_left() -> None:
         log.removeHandler(handler)
         log.setLevel(level)
     assert all(isinstance(a, AckResult) for a in answers), answers
-    logged = [(r.lease_id, r.phase, r.attempt_state) for r in lines]  # type: ignore[attr-defined]
+    assert [r.event for r in lines] == ["lease_acks"], lines  # type: ignore[attr-defined]
+    (line,) = lines
+    assert line.getMessage() == "lease acks"
+    assert line.count == 6  # type: ignore[attr-defined]
+    logged = list(zip(line.lease_ids, line.phases, line.attempt_states, strict=True))  # type: ignore[attr-defined]
     assert logged == [
         (lease.pk, phase, phase)
         for lease, _ in pairs
         for phase in ("starting", "running", "succeeded")
     ], logged
+    # As written: through the redaction filter and the JSON formatter, ids and
+    # state names only (no token, no spec digest).
+    RedactionFilter().filter(line)
+    written = JsonFormatter().format(line)
+    assert json.loads(written)["lease_ids"] == [lease.pk for lease, _ in pairs for _ in range(3)]
+    for lease, token in pairs:
+        assert token not in written and lease.offer_id not in written
+        assert lease.spec_digest not in written
