@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Final, Unpack
+from typing import Any, Final, Unpack, cast
 
 from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import Model
@@ -614,6 +614,43 @@ def _hooked_sql() -> str:
     )
 
 
+def _array_element(value: object) -> str | None:
+    """One element of an array's text form (None: not a type written here)."""
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if isinstance(value, str):
+        # Quoted: the text form's only escapes are a backslash and a double
+        # quote. (A state is a StrEnum member: its text, not its repr.)
+        text = str.__str__(value)
+        if "\\" in text or '"' in text:
+            text = text.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{text}"'
+    if kind is datetime and cast(datetime, value).tzinfo is not None:
+        return cast(datetime, value).isoformat()
+    if value is None:
+        return "NULL"
+    if kind is bool:
+        return "t" if value else "f"
+    return None
+
+
+def _array_text(values: Sequence[Any]) -> Any:
+    """A column of a wave as its array's text form, `{…}`, which the statement
+    casts to the column's array type; psycopg sends it as text of unknown type
+    (so the statement's parameter types never change). psycopg's own array
+    dumping runs a Python dumper per element: about three times this (a wave
+    of 8 ACKs is some 30 arrays; issue #12). A column holding any other type
+    goes as a list, dumped by psycopg."""
+    elements = []
+    for value in values:
+        element = _array_element(value)
+        if element is None:
+            return list(values)
+        elements.append(element)
+    return "{" + ",".join(elements) + "}"
+
+
 def _apply_wave(wave: Sequence[Writes]) -> None:
     if len(wave) == 1:
         # One ACK's writes: its own statement (`Writes`' text, without arrays
@@ -630,7 +667,9 @@ def _apply_wave(wave: Sequence[Writes]) -> None:
     for index, kind in enumerate(kinds):
         steps = groups[kind]
         ctes.append(f"w{index} AS ({_group_sql(kind)} RETURNING 1)")
-        params.extend(list(column) for column in zip(*(step.params for step in steps), strict=True))
+        params.extend(
+            _array_text(column) for column in zip(*(step.params for step in steps), strict=True)
+        )
     counts = [f"(SELECT count(*) FROM w{index})" for index in range(len(kinds))]  # noqa: S608  (no values)
     # Every probe of `Writes` is `_hooks_sql()` of one Project.
     projects = sorted({probe[1][0] for writes in wave for probe in writes._probes})

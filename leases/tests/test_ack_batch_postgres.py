@@ -602,3 +602,57 @@ def test_the_applied_acks_of_a_batch_are_one_line_with_the_state_each_left() -> 
     for lease, token in pairs:
         assert token not in written and lease.offer_id not in written
         assert lease.spec_digest not in written
+
+
+# Text the array form of a wave must carry as it is: its quoting and escape
+# characters, its separators, the word NULL, the empty string, any script.
+_AWKWARD = ['a "b" c', 'back\\slash \\"', "{x,y}", "NULL", "", " lead, trail ", "ok 😀 雪\n\t"]
+
+
+def test_a_wave_writes_awkward_text_and_times_exactly() -> None:
+    """Waves of several ACKs send each column as one array (`leases.writes._array_text`):
+    every executor handle, output tail and time lands exactly as given."""
+    session = testing.open_session(testing.make_worker(slots=8)[0]).session
+    pairs = leased(session, len(_AWKWARD))
+    started(pairs, session)
+    acks = [
+        AckItem(
+            offer_id=lease.offer_id,
+            phase=phase,
+            lease_token=token,
+            spec_sha256=lease.spec_digest,
+            executor_handle=f"pid:{text}" if phase is AckPhase.RUNNING else "",
+            exit_code=0 if phase is AckPhase.SUCCEEDED else None,
+            output_tail=text if phase is AckPhase.SUCCEEDED else "",
+        )
+        for (lease, token), text in zip(pairs, _AWKWARD, strict=True)
+        for phase in (AckPhase.RUNNING, AckPhase.SUCCEEDED)
+    ]
+    answers = batch(session, acks)
+    assert [a.outcome for a in answers if isinstance(a, AckResult)] == [Outcome.APPLIED] * len(
+        acks
+    ), answers
+    for (lease, _), text in zip(pairs, _AWKWARD, strict=True):
+        attempt = Attempt.objects.get(pk=lease.attempt_id)
+        assert (attempt.executor_handle, attempt.output_tail) == (f"pid:{text}", text)
+        ended = RunLease.objects.get(pk=lease.pk)
+        assert ended.ended_at == attempt.finished_at is not None
+        assert Run.objects.get(pk=lease.run_id).finished_at == attempt.finished_at
+
+
+def test_the_array_text_of_a_column_reads_back_as_the_values() -> None:
+    from leases.writes import _array_text
+
+    at = db_now().replace(microsecond=123456)
+    columns: list[tuple[str, list[Any]]] = [
+        ("bigint[]", [1, -2, 2**40, None]),
+        ("varchar[]", [*_AWKWARD, None]),
+        ("timestamptz[]", [at, at.replace(microsecond=0), None]),
+        ("boolean[]", [True, False, None]),
+    ]
+    with connection.cursor() as cursor:
+        for kind, values in columns:
+            text = _array_text(values)
+            assert isinstance(text, str), text
+            cursor.execute(f"SELECT %s::{kind}", [text])
+            assert cursor.fetchone()[0] == values, kind
