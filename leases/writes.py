@@ -42,7 +42,7 @@ from django.db.models import Model
 from django.utils import timezone
 
 from leases.errors import IllegalTransition, LostRace
-from leases.locks import claim_count_sql, pull_conflict_sql
+from leases.locks import claim_count_sql, pull_conflict_sql, session_counts_cte
 from leases.models import LeaseState, RunLease
 from leases.transitions import (
     ATTEMPT_TRANSITIONS,
@@ -800,7 +800,15 @@ def _claim_batch_sql() -> str:
         return found
 
     def counted(kind: str) -> str:
-        check = claim_count_sql(kind, "g.k", "%s" if kind != "session" else "")
+        if kind == "session":
+            # The page's Sessions counted in one pass (`sc`, below), never one
+            # scan per Session (leases.locks.session_counts_cte).
+            return (
+                "COALESCE((SELECT bool_and(COALESCE(sc.n, 0) <= g.n) "
+                "FROM unnest(%s::bigint[], %s::integer[]) AS g(k, n) "
+                "LEFT JOIN sc ON sc.session_id = g.k), true)"
+            )
+        check = claim_count_sql(kind, "g.k", "%s")
         return (
             f"COALESCE((SELECT bool_and({check} <= g.n) "  # noqa: S608  (names from model metadata; values are parameters)
             "FROM unnest(%s::bigint[], %s::integer[]) AS g(k, n)), true)"
@@ -828,7 +836,8 @@ def _claim_batch_sql() -> str:
     pending, claimed = state_literal(AttemptState.PENDING), state_literal(AttemptState.CLAIMED)
     queued, dispatching = state_literal(RunState.QUEUED), state_literal(RunState.DISPATCHING)
     sql = f"""
-        WITH guard AS (SELECT ({counted("session")} AND {counted("project")}
+        WITH {session_counts_cte("sc", "%s::bigint[]")},
+        guard AS (SELECT ({counted("session")} AND {counted("project")}
             AND {counted("task")} AND NOT EXISTS (
                 SELECT 1 FROM unnest(%s::bigint[], %s::uuid[], %s::varchar(64)[]) AS g(k, pull, tok)
                 WHERE {pull_conflict_sql("g.k", "g.pull", "g.tok")})) AS ok),
@@ -904,8 +913,10 @@ class ClaimWrites:
             return {}
         claims = self._claims
         leases = [c.lease for c in claims]
+        sessions = [k for k, _ in counts.sessions]
         params: list[Any] = [
-            [k for k, _ in counts.sessions],
+            sessions,  # the Sessions counted (`sc`), then each with its count
+            sessions,
             [n for _, n in counts.sessions],
             # A quota count's `now` stands before its arrays in the text.
             counts.now,

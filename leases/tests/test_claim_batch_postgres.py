@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import threading
 import time
 import uuid
@@ -297,10 +298,58 @@ def test_the_page_write_is_planned_once_and_kept_parsed(monkeypatch: pytest.Monk
         cursor.execute(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
             "WHERE statement LIKE %s",
-            ["%WITH guard AS%"],
+            ["%guard AS (SELECT%LEFT JOIN sc ON sc.session_id = g.k%"],
         )
         ((generic, custom),) = cursor.fetchall()
     assert (generic, custom) == (7, 0)
+
+
+def _lease_rows_scanned(plan: dict[str, Any]) -> int:
+    """Lease rows a plan's scans of `dispatch_runlease` looked at, every loop
+    counted (the page's own inserts are not a scan)."""
+    seen = 0
+    if plan.get("Relation Name") == "dispatch_runlease" and "Scan" in str(plan["Node Type"]):
+        rows = int(plan.get("Actual Rows", 0)) + int(plan.get("Rows Removed by Filter", 0))
+        seen += rows * int(plan.get("Actual Loops", 1))
+    for child in plan.get("Plans", ()):
+        seen += _lease_rows_scanned(child)
+    return seen
+
+
+def test_a_page_reads_each_active_lease_once_under_statistics_older_than_the_leases() -> None:
+    # Issue #12: analysed while no lease existed (dispatch_bench's (c); a box
+    # without autovacuum), the plans of a page's lock statement and of its
+    # write counted each Session's slots by reading every active lease through
+    # another partial index on active leases: Sessions x leases in flight, twice
+    # per page. Counted in one pass, each active lease is read at most once.
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE dispatch_runlease")
+    sessions = [_session(16) for _ in range(6)]
+    for session in sessions:  # leases in flight on every Session
+        assert _statuses(lease_claim_many(_requests(_attempts(6), session))) == [WON] * 6
+    active = RunLease.objects.filter(state=LeaseState.ACTIVE).count()
+    assert active == 36
+    plans: dict[str, dict[str, Any]] = {}
+
+    def explained(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        kind = "lock" if "FOR UPDATE OF r, a" in sql else ""
+        kind = kind or ("write" if "guard AS (SELECT" in sql else "")
+        if kind:
+            # The statement as it runs, analysed in a savepoint rolled back.
+            savepoint = transaction.savepoint()
+            execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params, many, context)
+            (document,) = context["cursor"].fetchone()
+            transaction.savepoint_rollback(savepoint)
+            plans[kind] = (json.loads(document) if isinstance(document, str) else document)[0]
+        return execute(sql, params, many, context)
+
+    pairs = zip(_attempts(6), sessions, strict=True)
+    page = [testing.claim_request(a, s, skip_locked=True)[0] for a, s in pairs]
+    with connection.execute_wrapper(explained):
+        assert _statuses(lease_claim_many(page)) == [WON] * 6
+    assert set(plans) == {"lock", "write"}
+    for kind, plan in plans.items():
+        assert _lease_rows_scanned(plan["Plan"]) <= active, (kind, plan)
 
 
 # ---------------------------------------------------------------- lost races
