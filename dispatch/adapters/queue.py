@@ -28,6 +28,7 @@ The SQL is written per database vendor where JSON is involved (PostgreSQL
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -349,60 +350,35 @@ class OrmQueueReader:
 
     def _rows_prepared(self, wanted: Sequence[RowsWanted]) -> list[tuple[Any, ...]]:
         """PostgreSQL: one text for a single group (plain values) and one for
-        any number of groups (a LATERAL over arrays), so each is planned once
-        per connection (qinglong.prepared) instead of on every cycle (issue #12)."""
-        project_ids: list[int] = []
-        revision_ids: list[int] = []
-        priorities: list[int] = []
-        moments: list[datetime] = []
-        run_ids: list[int] = []
-        limits: list[int] = []
-        for want in wanted:
-            # A group read from its start stands after the sentinel key that
-            # sorts before every Run (`_FROM_THE_START`).
-            priority, queued_at, run_id = want.after or _FROM_THE_START
-            project_ids.append(int(want.group.project_id))
-            revision_ids.append(int(want.group.group_id))
-            priorities.append(priority)
-            moments.append(queued_at)
-            run_ids.append(int(run_id))
-            limits.append(want.limit)
+        any number of groups (a LATERAL over a JSON array of the groups), so
+        each is planned once per connection (qinglong.prepared) and then runs
+        one generic plan instead of being planned on every cycle (issue #12)."""
         with prepared_cursor() as cursor:
             if len(wanted) == 1:
                 # One group (a pull's common case): its own text of plain
                 # values, which PostgreSQL keeps one plan of.
-                priority = priorities[0]
+                (want,) = wanted
+                # A group read from its start stands after the sentinel key that
+                # sorts before every Run (`_FROM_THE_START`).
+                priority, queued_at, run_id = want.after or _FROM_THE_START
                 cursor.execute(
                     _rows_sql(one=True),
                     int8_params(
                         [
-                            project_ids[0],
-                            revision_ids[0],
+                            int(want.group.project_id),
+                            int(want.group.group_id),
                             self.observed_at,
                             priority,
                             priority,
-                            moments[0],
-                            moments[0],
-                            run_ids[0],
-                            limits[0],
+                            queued_at,
+                            queued_at,
+                            int(run_id),
+                            want.limit,
                         ]
                     ),
                 )
             else:
-                cursor.execute(
-                    _rows_sql(one=False),
-                    int8_params(
-                        [
-                            project_ids,
-                            revision_ids,
-                            priorities,
-                            moments,
-                            run_ids,
-                            limits,
-                            self.observed_at,
-                        ]
-                    ),
-                )
+                cursor.execute(_rows_sql(one=False), [_groups_json(wanted), self.observed_at])
             return list(cursor.fetchall())
 
     def _rows_union(self, wanted: Sequence[RowsWanted]) -> list[tuple[Any, ...]]:
@@ -447,6 +423,28 @@ class OrmQueueReader:
 # Before every Run in (priority DESC, queued_at, id): the highest priority a
 # column can hold, the earliest moment, no id (every real queued_at is later).
 _FROM_THE_START: Final = (2**31 - 1, datetime(1, 1, 1, tzinfo=UTC), "0")
+
+
+def _groups_json(wanted: Sequence[RowsWanted]) -> str:
+    """The wanted groups as the JSON array `_rows_sql(one=False)` reads: for
+    each its keys, the key it is read after and its limit (a moment in ISO
+    8601 with its offset and microseconds: exactly the value)."""
+    groups = []
+    for want in wanted:
+        priority, queued_at, run_id = want.after or _FROM_THE_START
+        groups.append(
+            {
+                "project_id": int(want.group.project_id),
+                "revision_id": int(want.group.group_id),
+                "priority": int(priority),
+                "queued_at": queued_at.isoformat(),
+                "run_id": int(run_id),
+                "lim": int(want.limit),
+            }
+        )
+    return json.dumps(groups)
+
+
 _ROWS_SQL: dict[tuple[str, bool], str] = {}
 
 
@@ -482,11 +480,16 @@ def _rows_sql(*, one: bool) -> str:
     if one:
         found = candidates
     else:
+        # The groups as a JSON array, not as arrays: the planner counts 100
+        # rows in `json_to_recordset` whether it knows the value or not, so
+        # the plan made for the value at hand never looks cheaper than the
+        # generic one and PostgreSQL keeps the generic plan — over arrays,
+        # `unnest` counts the elements of a known array (8) but 10 for a
+        # parameter, and every call was planned again (0.5 ms; issue #12).
         found = (
-            "SELECT g.* FROM unnest(%s::bigint[], %s::bigint[], %s::integer[], "  # noqa: S608  (the text above)
-            "%s::timestamptz[], %s::bigint[], %s::integer[]) "
-            "AS w(project_id, revision_id, priority, queued_at, run_id, lim) "
-            f"CROSS JOIN LATERAL ({candidates}) g"
+            "SELECT g.* FROM json_to_recordset(%s::json) AS w(project_id bigint, "  # noqa: S608  (the text above)
+            "revision_id bigint, priority integer, queued_at timestamptz, run_id bigint, "
+            f"lim integer) CROSS JOIN LATERAL ({candidates}) g"
         )
     _ROWS_SQL[(connection.vendor, one)] = found
     return found

@@ -74,8 +74,10 @@ def _no_state_parameter(text: str) -> None:
 
 def test_the_rows_of_any_number_of_groups_are_one_prepared_statement() -> None:
     # Its text used to grow a UNION ALL branch per group: planned anew each
-    # cycle. Two texts now: one group's (a pull's common case), planned once
-    # for good, and any number's (a LATERAL over arrays).
+    # cycle. Two texts now: one group's (a pull's common case) and any
+    # number's (a LATERAL over a JSON array of the groups), each planned once
+    # for good — over arrays PostgreSQL kept planning the second anew for the
+    # arrays at hand, which it judged cheaper (issue #12).
     tasks = [testing.make_task() for _ in range(3)]
     runs = {task.pk: [testing.make_run(task, priority=p) for p in (0, 5)] for task in tasks}
     testing.open_session(slots=8)
@@ -90,7 +92,7 @@ def test_the_rows_of_any_number_of_groups_are_one_prepared_statement() -> None:
                 high, low = runs[int(group.task_id)][1], runs[int(group.task_id)][0]
                 assert [c.run_id for c in found[group.group_id]] == [str(high.pk), str(low.pk)]
     ((many, generic, custom),) = _prepared("%CROSS JOIN LATERAL%")
-    assert generic + custom == 6
+    assert (generic, custom) == (1, 5)
     ((one, generic, custom),) = _prepared("SELECT a.id, a.version, a.lease_generation%")
     assert (generic, custom) == (1, 5)
     for text in (many, one):
