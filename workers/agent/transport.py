@@ -1,14 +1,27 @@
-"""JSON over HTTP(S) with http.client: the agent's only dependency is the stdlib.
+"""JSON over HTTP/1.1(S) on a plain socket: the agent's only dependency is the stdlib.
 
 Every request carries a Bearer secret (the Worker credential or the Session
 token), so the transport never lets it travel anywhere but the configured
 control plane:
 
-- redirects are never followed (http.client does not follow them); a 3xx
-  comes back as a plain non-2xx Response and the agent treats it as a
-  refusal (e.g. a 3xx on `starting`: run nothing);
+- redirects are never followed; a 3xx comes back as a plain non-2xx Response
+  and the agent treats it as a refusal (e.g. a 3xx on `starting`: run
+  nothing);
 - plain `http://` is accepted only for a loopback host (the embedded default,
-  `./scripts/dev`); anything else must be `https://`.
+  `./scripts/dev`); anything else must be `https://` (TLS by `ssl`'s default
+  context: the system's CAs, or the file named by `SSL_CERT_FILE`; the host
+  name is checked).
+
+The client is a small HTTP/1.1 one of its own (issue #12): the agent only
+ever POSTs a JSON body and reads a JSON answer, and `http.client` spent about
+twice the CPU per request on what it does not need here (its header objects,
+the `email` parser for the answer's headers, two sends). One request is one
+`sendall`; the answer's status line and headers are read line by line
+(bounded like `http.client`'s: 64 KiB a line, 100 headers) and only
+`Content-Length`, `Transfer-Encoding: chunked` and `Connection` are
+interpreted; an answer with neither length nor chunks is read to its close.
+Anything malformed is a `TransportError` naming what (`BadStatusLine`,
+`IncompleteRead`, ...), and its connection is closed.
 
 Connections are kept alive (issue #12): a few idle connections are kept and
 reused by whichever thread posts next (the heartbeat loop, the runners, the
@@ -16,19 +29,21 @@ output senders), so a pull or an ACK costs one request, not a TCP (and TLS)
 handshake too. An idle connection is reused only while it is fresher than
 `IDLE_REUSE_S`, below the web server's keep-alive timeout (gunicorn's default
 `QL_WEB_KEEPALIVE_S` is 5 s), so the server seldom closes one under us; when
-it did (the request found the connection closed before any answer), the
-request goes once more on a new connection. Every Worker API call may be
-repeated (an ACK of the same phase is a no-op, a pull is replayed by its pull
-id, a heartbeat is idempotent, a second Session open simply fences the
-first), and a request whose answer was cut off on a fresh connection is never
-repeated here.
+it did (the request found the connection closed before any byte of an
+answer), the request goes once more on a new connection. Every Worker API
+call may be repeated (an ACK of the same phase is a no-op, a pull is replayed
+by its pull id, a heartbeat is idempotent, a second Session open simply
+fences the first), and a request whose answer was cut off on a fresh
+connection is never repeated here. Every socket operation has the
+transport's timeout.
 """
 
 from __future__ import annotations
 
-import http.client
 import ipaddress
 import json
+import re
+import socket
 import ssl
 import threading
 import time
@@ -49,8 +64,14 @@ _MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 IDLE_REUSE_S: Final = 2.0
 # At most this many idle connections are kept (one per concurrent caller, roughly).
 MAX_IDLE_CONNECTIONS: Final = 16
+# http.client's bounds on an answer's head.
+_MAX_LINE: Final = 65536
+_MAX_HEADERS: Final = 100
 # What a reused connection the server already closed looks like: nothing was answered.
-_STALE: Final = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+_STALE: Final = (ConnectionResetError, BrokenPipeError)
+# No control character or space in a request target (http.client's rule).
+_BAD_TARGET: Final = re.compile("[\x00-\x20\x7f]")
+_ENCODE: Final = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def is_loopback_host(host: str) -> bool:
@@ -61,6 +82,35 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class _Protocol(Exception):
+    """The answer is not HTTP/1.x as we read it (its name is the error's)."""
+
+
+class _Closed(Exception):
+    """The connection ended before the first byte of an answer."""
+
+
+class _Connection:
+    __slots__ = ("reader", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = sock.makefile("rb")
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
+class _Answer:
+    __slots__ = ("body", "reusable", "status")
+
+    def __init__(self, status: int, body: bytes | None, reusable: bool) -> None:
+        self.status = status
+        self.body = body  # None: more than _MAX_RESPONSE_BYTES, not read
+        self.reusable = reusable
 
 
 class HttpTransport:
@@ -75,10 +125,11 @@ class HttpTransport:
         self.timeout_s = timeout_s
         self._https = parts.scheme == "https"
         self._host = parts.hostname
-        self._port = parts.port
+        self._port = parts.port or (443 if self._https else 80)
         self._prefix = parts.path.rstrip("/")
         self._context = ssl.create_default_context() if self._https else None
-        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
+        self._host_header = _host_header(self._host, parts.port, 443 if self._https else 80)
+        self._idle: list[tuple[_Connection, float]] = []
         self._lock = threading.Lock()
         self.connections_opened = 0  # for tests and diagnostics
         # A transport dropped without close() still closes its idle sockets.
@@ -86,19 +137,24 @@ class HttpTransport:
 
     # -- connections ---------------------------------------------------------
 
-    def _connect(self) -> http.client.HTTPConnection:
+    def _connect(self) -> _Connection:
         self.connections_opened += 1
-        if self._https:
-            return http.client.HTTPSConnection(
-                self._host, self._port, timeout=self.timeout_s, context=self._context
-            )
-        return http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
+        sock = socket.create_connection((self._host, self._port), self.timeout_s)
+        try:
+            # Each request is one send: no Nagle delay waiting for an ACK.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._context is not None:
+                sock = self._context.wrap_socket(sock, server_hostname=self._host)
+        except BaseException:
+            sock.close()
+            raise
+        return _Connection(sock)
 
-    def _take(self) -> tuple[http.client.HTTPConnection, bool]:
-        """A fresh-enough idle connection (reused=True), else a new one."""
+    def _take(self) -> tuple[_Connection | None, bool]:
+        """A fresh-enough idle connection (reused=True), else None (connect one)."""
         now = time.monotonic()
-        stale: list[http.client.HTTPConnection] = []
-        found: http.client.HTTPConnection | None = None
+        stale: list[_Connection] = []
+        found: _Connection | None = None
         with self._lock:
             while self._idle:
                 connection, last_used = self._idle.pop()  # the most recent first
@@ -108,11 +164,9 @@ class HttpTransport:
                 stale.append(connection)
         for connection in stale:
             connection.close()
-        if found is not None:
-            return found, True
-        return self._connect(), False
+        return found, found is not None
 
-    def _give_back(self, connection: http.client.HTTPConnection) -> None:
+    def _give_back(self, connection: _Connection) -> None:
         with self._lock:
             if len(self._idle) < MAX_IDLE_CONNECTIONS:
                 self._idle.append((connection, time.monotonic()))
@@ -129,65 +183,194 @@ class HttpTransport:
     # -- requests --------------------------------------------------------------
 
     def post(self, path: str, body: Mapping[str, Any], *, token: str) -> Response:
+        target = self._prefix + path
+        if _BAD_TARGET.search(target):
+            raise TransportError("InvalidURL")
         # UTF-8 as is: \uXXXX escapes would blow a legal 64 KiB output tail
         # past the server's body cap.
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        headers = {
-            "Authorization": f"Bearer {token}",
-            "Content-Type": "application/json",
-            "Accept": "application/json",
-        }
+        data = _ENCODE(body).encode("utf-8")
+        secret = token.encode("latin-1")
+        if b"\r" in secret or b"\n" in secret:
+            raise ValueError("Invalid header value")
+        request = b"".join(
+            (
+                b"POST ",
+                target.encode("ascii"),
+                b" HTTP/1.1\r\nHost: ",
+                self._host_header,
+                b"\r\nAccept-Encoding: identity\r\nAuthorization: Bearer ",
+                secret,
+                b"\r\nContent-Type: application/json\r\nAccept: application/json"
+                b"\r\nContent-Length: ",
+                str(len(data)).encode("ascii"),
+                b"\r\n\r\n",
+                data,
+            )
+        )
         while True:
             connection, reused = self._take()
-            reply: http.client.HTTPResponse | None = None
             try:
-                connection.request("POST", self._prefix + path, body=data, headers=headers)
-                reply = connection.getresponse()
-                raw = reply.read(_MAX_RESPONSE_BYTES)
-            except _STALE as err:
-                _drop(connection, reply)
+                if connection is None:
+                    connection = self._connect()
+                connection.sock.sendall(request)
+                answer = _read_answer(connection.reader)
+            except (_Closed, *_STALE) as err:
+                if connection is not None:
+                    connection.close()
                 if reused:
                     # The server had closed this idle connection: nothing was
                     # answered, so the request goes once more on a new one.
                     continue
-                raise TransportError(type(err).__name__) from None
-            except (OSError, http.client.HTTPException) as err:
-                _drop(connection, reply)
+                name = "RemoteDisconnected" if isinstance(err, _Closed) else type(err).__name__
+                raise TransportError(name) from None
+            except (OSError, _Protocol, ValueError) as err:
+                if connection is not None:
+                    connection.close()
                 # No status: the request may or may not have arrived.
-                raise TransportError(type(err).__name__) from None
-            if reply.isclosed() and not reply.will_close:
+                name = str(err) if isinstance(err, _Protocol) else type(err).__name__
+                raise TransportError(name) from None
+            if answer.reusable:
                 self._give_back(connection)
             else:
-                # More than we read (an oversized body) or the server's
+                # Not read to its end (an oversized body) or the server's
                 # "Connection: close": this connection carries nothing else.
-                _drop(connection, reply)
-            if 300 <= reply.status < 400:
+                connection.close()
+            if 300 <= answer.status < 400:
                 # A redirect's body is not the control plane's answer.
-                return Response(reply.status, {})
-            return Response(reply.status, _parse(raw))
+                return Response(answer.status, {})
+            return Response(answer.status, _parse(answer.body))
 
 
-def _drop(connection: http.client.HTTPConnection, reply: http.client.HTTPResponse | None) -> None:
-    """Close a connection that carries nothing more, and the answer read on it.
+def _host_header(host: str, port: int | None, default_port: int) -> bytes:
+    """As http.client sends it: IPv6 in brackets, the port unless the scheme's own."""
+    try:
+        name = host.encode("ascii")
+    except UnicodeEncodeError:
+        name = host.encode("idna")
+    if b":" in name:
+        name = b"[" + name + b"]"
+    if port is not None and port != default_port:
+        name += b":%d" % port
+    return name
 
-    After a `Connection: close` answer the connection has handed its socket
-    to the answer: closing the connection alone leaves the socket open until
-    the garbage collector finds the answer, in whatever thread that happens
-    (a ResourceWarning, seen in the suite after a 413)."""
-    if reply is not None:
-        reply.close()
-    connection.close()
+
+def _read_line(reader: Any) -> bytes:
+    line: bytes = reader.readline(_MAX_LINE + 1)
+    if len(line) > _MAX_LINE:
+        raise _Protocol("LineTooLong")
+    return line
 
 
-def _close_all(idle: list[tuple[http.client.HTTPConnection, float]]) -> None:
+def _read_answer(reader: Any) -> _Answer:
+    """One answer: its status, its body (None if over the cap) and whether the
+    connection may carry another request. 1xx interim answers are skipped."""
+    first = True
+    while True:
+        line = _read_line(reader)
+        if not line:
+            if first:
+                raise _Closed
+            raise _Protocol("RemoteDisconnected")
+        first = False
+        version, _, rest = line.partition(b" ")
+        code = rest[:3]
+        if (
+            version not in (b"HTTP/1.1", b"HTTP/1.0")
+            or len(code) != 3
+            or not code.isdigit()
+            or rest[3:4] not in (b"", b" ", b"\r", b"\n")
+        ):
+            raise _Protocol("BadStatusLine")
+        status = int(code)
+        length: int | None = None
+        chunked = False
+        connection = b""
+        for _ in range(_MAX_HEADERS + 1):
+            header = _read_line(reader)
+            if header in (b"\r\n", b"\n", b""):
+                break
+            name, colon, value = header.partition(b":")
+            if not colon:
+                continue  # http.client ignores such a line too
+            name = name.strip().lower()
+            if name == b"content-length":
+                value = value.strip()
+                if not value.isdigit() or (length is not None and int(value) != length):
+                    raise _Protocol("BadContentLength")
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = value.strip().lower().endswith(b"chunked")
+            elif name == b"connection":
+                connection = value.strip().lower()
+        else:
+            raise _Protocol("TooManyHeaders")
+        if not header:
+            raise _Protocol("IncompleteRead")
+        if 100 <= status < 200:
+            continue
+        # HTTP/1.1 keeps the connection unless told otherwise; 1.0 only if told to.
+        keep = b"close" not in connection if version == b"HTTP/1.1" else b"keep-alive" in connection
+        if status in (204, 304):
+            return _Answer(status, b"", keep)
+        if chunked:
+            body, complete = _read_chunked(reader)
+            return _Answer(status, body, keep and complete)
+        if length is not None:
+            if length > _MAX_RESPONSE_BYTES:
+                return _Answer(status, None, False)
+            body = reader.read(length)
+            if len(body) < length:
+                raise _Protocol("IncompleteRead")
+            return _Answer(status, body, keep)
+        # Neither a length nor chunks: the answer ends when the connection does.
+        body = reader.read(_MAX_RESPONSE_BYTES + 1)
+        if len(body) > _MAX_RESPONSE_BYTES:
+            return _Answer(status, None, False)
+        return _Answer(status, body, False)
+
+
+def _read_chunked(reader: Any) -> tuple[bytes | None, bool]:
+    """The chunks' bytes and True; (None, False) once past the cap (not read on)."""
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        line = _read_line(reader)
+        size_text = line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise _Protocol("BadChunk") from None
+        if size < 0:
+            raise _Protocol("BadChunk")
+        if size == 0:
+            break
+        total += size
+        if total > _MAX_RESPONSE_BYTES:
+            return None, False
+        chunk = reader.read(size)
+        if len(chunk) < size or reader.read(2) != b"\r\n":
+            raise _Protocol("IncompleteRead")
+        parts.append(chunk)
+    while True:  # trailers, up to the blank line
+        line = _read_line(reader)
+        if not line:
+            raise _Protocol("IncompleteRead")
+        if line in (b"\r\n", b"\n"):
+            break
+    return b"".join(parts), True
+
+
+def _close_all(idle: list[tuple[_Connection, float]]) -> None:
     for connection, _ in idle:
         connection.close()
     idle.clear()
 
 
-def _parse(raw: bytes) -> Mapping[str, Any]:
+def _parse(raw: bytes | None) -> Mapping[str, Any]:
+    if not raw:
+        return {}
     try:
-        value = json.loads(raw.decode("utf-8")) if raw else {}
+        value = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return value if isinstance(value, dict) else {}

@@ -45,10 +45,20 @@ class _KeepAlive(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that drops a connection with an answer unread (an
+        # oversized one) resets it: expected, not worth a traceback.
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionResetError):
+            super().handle_error(request, client_address)
+
+
 def _serve(**options: Any) -> tuple[http.server.ThreadingHTTPServer, list[tuple[int, str]]]:
     seen: list[tuple[int, str]] = []
     handler = type("Handler", (_KeepAlive,), {**options, "seen": seen})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _Server(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, seen
 
@@ -190,3 +200,255 @@ def test_an_answer_cut_off_mid_body_leaves_no_socket_open() -> None:
         assert open_fds() == before
     finally:
         listener.close()
+
+
+# -- the answer as the wire brings it (issue #12: the transport's own HTTP/1.1 client) --
+
+
+class _Scripted:
+    """A raw server: each request read whole gets the next scripted answer's bytes.
+
+    An answer `None` closes the connection without a word; after an answer
+    in `closing` the server closes its side."""
+
+    def __init__(
+        self, answers: list[bytes | None], *, closing: tuple[int, ...] = (), tls: Any = None
+    ) -> None:
+        import socket
+
+        self.answers = list(answers)
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.closing = closing
+        self.tls = tls
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        try:
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            reader = conn.makefile("rb")
+            while self.answers:
+                head = b""
+                while not head.endswith(b"\r\n\r\n"):
+                    line = reader.readline()
+                    if not line:
+                        return
+                    head += line
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.requests.append(head + reader.read(length))
+                index = len(self.requests) - 1
+                answer = self.answers.pop(0)
+                if answer is None:
+                    return
+                conn.sendall(answer)
+                if index in self.closing:
+                    return
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _answer(body: bytes, *head: bytes, status: bytes = b"200 OK") -> bytes:
+    return b"HTTP/1.1 " + status + b"\r\n" + b"".join(h + b"\r\n" for h in head) + b"\r\n" + body
+
+
+@pytest.fixture
+def scripted() -> Iterator[Any]:
+    servers: list[_Scripted] = []
+
+    def start(answers: list[bytes | None], **options: Any) -> _Scripted:
+        servers.append(_Scripted(answers, **options))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_the_request_is_one_post_with_its_headers_and_body(scripted: Any) -> None:
+    body = b'{"ok": true}'
+    server = scripted([_answer(body, b"Content-Length: 12")])
+    transport = HttpTransport(f"http://localhost:{server.port}/base/")
+    response = transport.post("/api/v1/worker/acks", {"note": "é"}, token="tok-1")
+    transport.close()
+    assert (response.status, response.body) == (200, {"ok": True})
+    head, _, sent = server.requests[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /base/api/v1/worker/acks HTTP/1.1"
+    headers = dict(line.split(b": ", 1) for line in lines[1:])
+    assert headers[b"Host"] == f"localhost:{server.port}".encode()
+    assert headers[b"Authorization"] == b"Bearer tok-1"
+    assert headers[b"Content-Type"] == b"application/json"
+    assert json.loads(sent) == {"note": "é"}  # UTF-8 as is, not \u escapes
+    assert "é".encode() in sent
+    assert headers[b"Content-Length"] == str(len(sent)).encode()
+
+
+def test_a_chunked_answer_is_read_whole_and_its_connection_reused(scripted: Any) -> None:
+    chunked = _answer(
+        b'5;ext=1\r\n{"a":\r\nA\r\n [1, 2, 3]\r\n1\r\n}\r\n0\r\nX-Trailer: t\r\n\r\n',
+        b"Transfer-Encoding: chunked",
+    )
+    server = scripted([chunked, chunked])
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    for _ in range(2):
+        assert transport.post("/x", {}, token="t").body == {"a": [1, 2, 3]}
+    transport.close()
+    assert transport.connections_opened == 1
+    assert server.connections == 1
+
+
+def test_an_http_1_0_answer_or_connection_close_is_not_reused(scripted: Any) -> None:
+    server = scripted(
+        [
+            b"HTTP/1.0 200 OK\r\nContent-Length: 8\r\n\r\n" + b'{"n": 1}',
+            _answer(b'{"n": 2}', b"Content-Length: 8", b"Connection: close"),
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 8\r\n\r\n{" + b'"n": 3}',
+            _answer(b'{"n": 4}', b"Content-Length: 8"),
+        ]
+    )
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    assert [transport.post("/x", {}, token="t").body["n"] for _ in range(4)] == [1, 2, 3, 4]
+    transport.close()
+    # A new connection after the 1.0 answer and after `Connection: close`
+    # (the server leaves both open: the client must not use them again);
+    # the 1.0 answer that asked for keep-alive kept its connection.
+    assert transport.connections_opened == 3
+    assert server.connections == 3
+    assert len(server.requests) == 4
+
+
+def test_an_answer_without_length_is_read_to_its_close(scripted: Any) -> None:
+    server = scripted(
+        [_answer(b'{"to": "the end"}'), _answer(b'{"n": 2}', b"Content-Length: 8")], closing=(0,)
+    )
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    assert transport.post("/x", {}, token="t").body == {"to": "the end"}
+    assert transport.post("/x", {}, token="t").body == {"n": 2}
+    transport.close()
+    assert transport.connections_opened == 2
+
+
+def test_an_interim_100_continue_is_skipped(scripted: Any) -> None:
+    server = scripted([b"HTTP/1.1 100 Continue\r\n\r\n" + _answer(b"{}", b"Content-Length: 2")])
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    assert transport.post("/x", {}, token="t").status == 200
+    transport.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"HTTP/2 200 OK\r\nContent-Length: 2\r\n\r\n{}", "BadStatusLine"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "BadStatusLine"),
+        (_answer(b"{}", b"Content-Length: -2"), "BadContentLength"),
+        (_answer(b"{}", b"Content-Length: 2", b"Content-Length: 3"), "BadContentLength"),
+        (_answer(b'{"cut', b"Content-Length: 20"), "IncompleteRead"),
+        (_answer(b"zz\r\n", b"Transfer-Encoding: chunked"), "BadChunk"),
+        (_answer(b"5\r\n{}", b"Transfer-Encoding: chunked"), "IncompleteRead"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n", "IncompleteRead"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 101 + b"\r\n", "TooManyHeaders"),
+        (b"HTTP/1.1 200 OK\r\nX-A: " + b"b" * 70000 + b"\r\n\r\n", "LineTooLong"),
+    ],
+)
+def test_a_malformed_answer_is_a_named_transport_error_and_not_sent_again(
+    scripted: Any, answer: bytes, error: str
+) -> None:
+    server = scripted([answer, _answer(b"{}", b"Content-Length: 2")], closing=(0,))
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    with pytest.raises(TransportError, match=rf"^{error}$"):
+        transport.post("/x", {}, token="t")
+    assert len(server.requests) == 1
+    # The connection that carried it is gone: the next request opens another.
+    assert transport.post("/x", {}, token="t").status == 200
+    assert transport.connections_opened == 2
+    transport.close()
+
+
+def test_a_silent_server_is_a_timeout() -> None:
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+    try:
+        transport = HttpTransport(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=0.3)
+        with pytest.raises(TransportError, match=r"^TimeoutError$"):
+            transport.post("/x", {}, token="t")
+    finally:
+        listener.close()
+
+
+def test_a_header_injection_in_the_token_is_refused(scripted: Any) -> None:
+    server = scripted([_answer(b"{}", b"Content-Length: 2")])
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    with pytest.raises(ValueError):
+        transport.post("/x", {}, token="t\r\nX-Evil: 1")
+    with pytest.raises(TransportError, match="InvalidURL"):
+        transport.post("/x y", {}, token="t")
+    assert server.requests == []
+
+
+@pytest.fixture
+def tls_certificate(tmp_path: Any) -> Any:
+    """A self-signed certificate for 127.0.0.1 (openssl, made for the test)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_https_with_a_trusted_certificate_keeps_its_connection(
+    scripted: Any, tls_certificate: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ssl
+
+    cert, key = tls_certificate
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = scripted([_answer(b'{"n": 1}', b"Content-Length: 8")] * 2, tls=context)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust it, as an operator would a private CA
+    transport = HttpTransport(f"https://127.0.0.1:{server.port}")
+    assert [transport.post("/x", {}, token="t").body for _ in range(2)] == [{"n": 1}] * 2
+    transport.close()
+    assert transport.connections_opened == 1
+    assert server.requests[0].startswith(b"POST /x HTTP/1.1\r\n")
+
+
+def test_https_to_an_untrusted_certificate_sends_nothing(
+    scripted: Any, tls_certificate: Any
+) -> None:
+    import ssl
+
+    cert, key = tls_certificate
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = scripted([_answer(b"{}", b"Content-Length: 2")], tls=context)
+    transport = HttpTransport(f"https://127.0.0.1:{server.port}")
+    with pytest.raises(TransportError, match="SSLCertVerificationError"):
+        transport.post("/x", {}, token="secret")
+    assert server.requests == []
