@@ -625,6 +625,13 @@ def dispatch_cycle(
             session_page=None if snapshot is None else snapshot.session_page,
             worker_pages=budget.worker_max_pages if scope.kind is Scope.GLOBAL else 1,
             recovery_first_page=None if start is None else start.recovery,
+            # The snapshot's pages and the row saying whether more follow,
+            # read by the first walk (one statement fewer per claiming cycle).
+            workers_ahead=(
+                budget.worker_page_size * budget.worker_max_pages + 1
+                if scope.kind is Scope.GLOBAL
+                else 0
+            ),
         ),
         secret=str(settings.QINGLONG_LEASE_SECRET).encode(),
         pull=pull,

@@ -403,6 +403,10 @@ class CycleMemo:
     candidates: dict[str, tuple[Candidate, int]] = field(default_factory=dict)  # → revision pk
     # Told of each candidate planned: its Project had its turn (docs/adr/0012).
     rotation: Rotation = field(default_factory=lambda: fair_rotation)
+    # Global scope: how many rows of the Worker snapshot the first walk reads
+    # ahead (0: none), and those rows until the Worker source takes them.
+    workers_ahead: int = 0
+    worker_rows: list[Sequence[Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -490,12 +494,16 @@ class OrmCandidateSource:
         scope: DispatchScope | None = None,
     ) -> Page[Candidate]:
         _check_limit(limit)
-        reader = OrmQueueReader(observed_at=observed_at, scope=scope)
-        rotation = fair_rotation if self.memo is None else self.memo.rotation
+        memo = self.memo
+        ahead = 0 if memo is None or cursor is not None else memo.workers_ahead
+        reader = OrmQueueReader(observed_at=observed_at, scope=scope, workers_ahead=ahead)
+        rotation = fair_rotation if memo is None else memo.rotation
         page = fair_page(reader, cursor=cursor, limit=limit, rotation=rotation)
-        if self.memo is not None:
+        if memo is not None:
+            if ahead:
+                memo.worker_rows = reader.worker_rows
             for item in page.items:
-                self.memo.candidates[item.attempt_id] = (item, int(reader.revision_pk(item)))
+                memo.candidates[item.attempt_id] = (item, int(reader.revision_pk(item)))
         return page
 
 
@@ -546,10 +554,16 @@ class OrmWorkerSnapshotSource:
     """
 
     def __init__(
-        self, *, session_page: tuple[WorkerRecord, ...] | None = None, pages: int = 1
+        self,
+        *,
+        session_page: tuple[WorkerRecord, ...] | None = None,
+        pages: int = 1,
+        memo: CycleMemo | None = None,
     ) -> None:
         self.session_page = session_page
         self.pages = pages
+        # The rows the cycle's first walk read ahead (`CycleMemo.worker_rows`).
+        self.memo = memo
         # The pages read ahead: (cursor, limit) -> page.
         self._ahead: dict[tuple[str, int], Page[WorkerRecord]] = {}
 
@@ -605,7 +619,19 @@ class OrmWorkerSnapshotSource:
     def _global_pages(self, after: int | None, limit: int) -> Page[WorkerRecord]:
         """The page after `after`; the first one reads `pages` pages ahead."""
         pages = self.pages if after is None else 1
-        records = _global_worker_records(after, limit * pages + 1)
+        count = limit * pages + 1
+        memo = self.memo
+        if after is None and memo is not None and memo.worker_rows is not None:
+            rows, memo.worker_rows = memo.worker_rows, None
+            # The same rows `_global_worker_records` reads, read by the walk
+            # (`dispatch.adapters.queue`) for exactly this many.
+            records = (
+                _worker_records(rows)
+                if memo.workers_ahead == count
+                else _global_worker_records(after, count)
+            )
+        else:
+            records = _global_worker_records(after, count)
         self._ahead.clear()
         read: list[Page[WorkerRecord]] = []
         for start in range(0, limit * pages, limit):
@@ -657,6 +683,13 @@ def _global_worker_records(after: int | None, count: int) -> list[WorkerRecord]:
     with prepared_cursor() as cursor:
         cursor.execute(sql, int8_params(params))
         rows = cursor.fetchall()
+    return _worker_records(rows)
+
+
+def _worker_records(rows: Sequence[Sequence[Any]]) -> list[WorkerRecord]:
+    """Records of rows of the global Worker snapshot: worker id, session id,
+    generation, executor types and labels (their JSON text), the Session's and
+    the Worker's slots, active leases (`WORKER_AHEAD_COLUMNS`)."""
     records = []
     for worker_id, session_id, generation, types, labels, slots, worker_slots, active in rows:
         executor_types, label_map = _capabilities(types, labels)
@@ -822,6 +855,7 @@ def orm_ports(
     session_page: tuple[WorkerRecord, ...] | None = None,
     worker_pages: int = 1,
     recovery_first_page: RecoveryFirstPage | None = None,
+    workers_ahead: int = 0,
 ) -> DispatchPorts:
     """The production wiring of one cycle: ORM sources sharing one `CycleMemo`,
     the one claim path, the database clock (or `clock`, already read).
@@ -831,14 +865,17 @@ def orm_ports(
     and needs no telemetry write after the cycle. `recovery_known_empty`
     and `session_page`: what a pull's snapshot already read at the cycle's
     `observed_at` (`OrmLeaseRecoverySource`, `OrmWorkerSnapshotSource`).
+    `workers_ahead` (global scope): the cycle's first walk also reads that
+    many rows of the Worker snapshot — its pages' rows and one more — which
+    its first Worker page then serves (`dispatch.adapters.queue`).
     """
-    memo = CycleMemo()
+    memo = CycleMemo(workers_ahead=workers_ahead)
     return DispatchPorts(
         recovery=OrmLeaseRecoverySource(
             known_empty=recovery_known_empty, first_page=recovery_first_page
         ),
         candidates=OrmCandidateSource(memo),
-        workers=OrmWorkerSnapshotSource(session_page=session_page, pages=worker_pages),
+        workers=OrmWorkerSnapshotSource(session_page=session_page, pages=worker_pages, memo=memo),
         plans=OrmPlanSource(memo),
         claims=DatabaseClaimPort(delivered=delivered),
         clock=clock or DatabaseClock(),

@@ -45,6 +45,7 @@ from runs.models import Attempt, AttemptState, Project, Run, RunState, TaskRevis
 from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
 __all__ = [
+    "WORKER_AHEAD_COLUMNS",
     "OrmQueueReader",
     "active_leases_by_session_sql",
     "placement_matches",
@@ -197,19 +198,76 @@ def busy_params(now: datetime) -> list[Any]:
     return [_dt(now)]
 
 
+# Issue #12: a global cycle's walk also reads the first page(s) of its Worker
+# snapshot — the same rows `dispatch.adapters.orm` reads with a statement of
+# its own (the Session online, its Worker active, in worker id order, with its
+# active leases) — so a claiming cycle is one statement shorter and counts
+# every Session's active leases once instead of twice.
+WORKER_AHEAD_COLUMNS: Final = (
+    "worker_id",
+    "session_id",
+    "generation",
+    "executor_types",
+    "labels",
+    "slots",
+    "w_slots",
+    "n",
+)
+
+
+def _global_sessions_ctes() -> str:
+    """`ac`, `sess` (every Session taking claims, with its active leases) and
+    `servable` (those with a free slot: `servable_sessions_cte`'s rows)."""
+    least = "LEAST" if connection.vendor == "postgresql" else "MIN"
+    return (
+        f"ac AS MATERIALIZED (SELECT l.session_id, count(*) AS n FROM {_t(RunLease)} l "  # noqa: S608  (table names from model metadata; the states are the models' constants, state_literal)
+        f"WHERE l.state = {state_literal(LeaseState.ACTIVE)} GROUP BY l.session_id), "
+        "sess AS MATERIALIZED (SELECT s.worker_id, s.session_id, s.generation, "
+        "s.executor_types, s.labels, s.slots, w.slots AS w_slots, COALESCE(ac.n, 0) AS n "
+        f"FROM {_t(WorkerSession)} s JOIN {_t(Worker)} w ON w.id = s.worker_id "
+        "LEFT JOIN ac ON ac.session_id = s.id "
+        f"WHERE s.state = {state_literal(SessionState.ONLINE)} "
+        f"AND w.admin_state = {state_literal(WorkerAdminState.ACTIVE)}), "
+        "servable AS MATERIALIZED (SELECT sess.executor_types, sess.labels FROM sess "
+        f"WHERE sess.n < {least}(sess.slots, sess.w_slots))"
+    )
+
+
+def _workers_ahead_sql() -> str:
+    """The walk's last column: on its first row, when a Session could be
+    served, the first `%s` Sessions of `sess` by worker id as a JSON array of
+    `WORKER_AHEAD_COLUMNS` (the JSON columns as their text); else NULL."""
+    columns = ", ".join(
+        f"z.{c}::text" if c in ("executor_types", "labels") else f"z.{c}"
+        for c in WORKER_AHEAD_COLUMNS
+    )
+    return (
+        "CASE WHEN (wk.part, wk.n) = (SELECT w1.part, w1.n FROM walked w1 "  # noqa: S608  (aliases, no values)
+        "ORDER BY w1.part, w1.n LIMIT 1) AND EXISTS (SELECT 1 FROM servable) "
+        f"THEN (SELECT json_agg(json_build_array({columns}) ORDER BY z.worker_id) "
+        "FROM (SELECT * FROM sess ORDER BY sess.worker_id LIMIT %s) z) END"
+    )
+
+
 # ------------------------------------------------------------------ the reader
 
 
 class OrmQueueReader:
     """`dispatch.core.fairness.QueueReader` over the database (module docstring)."""
 
-    def __init__(self, *, observed_at: datetime, scope: DispatchScope | None) -> None:
+    def __init__(
+        self, *, observed_at: datetime, scope: DispatchScope | None, workers_ahead: int = 0
+    ) -> None:
         self.observed_at = observed_at
         self.scope = scope
         # revision pk → (revision number, executor type), from the walk.
         self._revisions: dict[str, tuple[int, str]] = {}
         # attempt id → its pinned revision's pk, from the rows read.
         self._group_of: dict[str, str] = {}
+        # Global scope on PostgreSQL: the walk also reads the first
+        # `workers_ahead` rows of the global Worker snapshot (`worker_rows`).
+        self.workers_ahead = workers_ahead
+        self.worker_rows: list[Sequence[Any]] | None = None
 
     def revision_pk(self, candidate: Candidate) -> str:
         """The pinned revision's primary key of a candidate this reader returned."""
@@ -254,13 +312,20 @@ class OrmQueueReader:
         limit = cap + 1
         params: list[Any] = [sp, sg, limit, sp, sg, limit, sp, sg]
         ctes = walk_sql
+        workers = ""
+        ahead = self._workers_ahead()
         if self.scope is None:
             flags = "0, 0, 1"
         else:
-            servable_sql, servable_params = servable_sessions_cte(self.scope)
-            materialized = "MATERIALIZED "
-            ctes = f"servable AS {materialized}({servable_sql}), " + walk_sql
-            params = servable_params + params
+            if ahead:
+                # The global Sessions, their active leases counted once for
+                # both the servable ones and the Worker rows read ahead.
+                ctes = f"{_global_sessions_ctes()}, " + walk_sql
+                workers = f", {_workers_ahead_sql()}"
+            else:
+                servable_sql, servable_params = servable_sessions_cte(self.scope)
+                ctes = f"servable AS MATERIALIZED ({servable_sql}), " + walk_sql
+                params = servable_params + params
             project_busy, task_busy = project_busy_sql("p.id"), task_busy_sql("v.task_id")
             flags = (
                 f"CASE WHEN p.max_concurrent_runs = 0 THEN 0 ELSE {project_busy} END, "  # noqa: S608
@@ -271,7 +336,7 @@ class OrmQueueReader:
         sql = (
             f"WITH RECURSIVE {ctes} "  # noqa: S608  (table names from model metadata)
             "SELECT wk.project_id, wk.revision_id, v.task_id, v.revision, v.executor_type, "
-            f"p.max_concurrent_runs, v.max_concurrent_runs, {flags} "
+            f"p.max_concurrent_runs, v.max_concurrent_runs, {flags}{workers} "
             f"FROM walked wk JOIN {_t(Project)} p ON p.id = wk.project_id "
             f"JOIN {_t(TaskRevision)} v ON v.id = wk.revision_id "
             "ORDER BY wk.part, wk.n LIMIT %s"
@@ -279,6 +344,8 @@ class OrmQueueReader:
         if self.scope is not None:
             now = self.observed_at
             params += [*busy_params(now), *busy_params(now)]
+        if workers:
+            params.append(ahead)
         params.append(limit)
         # Every cycle walks: PostgreSQL plans the walk once per connection and
         # scope kind (qinglong.prepared). Its states are literals in the text,
@@ -287,6 +354,13 @@ class OrmQueueReader:
         with prepared_cursor() as cursor:
             cursor.execute(sql, int8_params(params))
             rows = cursor.fetchall()
+        if workers:
+            self.workers_ahead = 0  # read once per reader
+            # On the walk's first row only, and only when a Session could be
+            # served (otherwise no candidate, so no Worker snapshot, follows).
+            found = rows[0][-1] if rows else None
+            self.worker_rows = None if found is None else list(found)
+            rows = [row[:-1] for row in rows]
         groups: list[QueueGroup] = []
         for row in rows[:cap]:
             (project_id, revision_id, task_id, number, executor_type) = row[:5]
@@ -315,6 +389,17 @@ class OrmQueueReader:
                 )
             )
         return groups, len(rows) > cap
+
+    def _workers_ahead(self) -> int:
+        scope = self.scope
+        if (
+            not self.workers_ahead
+            or scope is None
+            or scope.session is not None
+            or connection.vendor != "postgresql"
+        ):
+            return 0
+        return self.workers_ahead
 
     def rows(self, wanted: Sequence[RowsWanted]) -> Mapping[str, Sequence[Candidate]]:
         if not wanted:

@@ -78,7 +78,7 @@ def test_worker_pages_read_ahead_are_the_pages_read_one_by_one(sessions: int, pa
         assert len(more.captured_queries) == 1
 
 
-def test_a_global_cycle_reads_its_worker_pages_in_one_statement() -> None:
+def test_a_global_cycle_reads_its_worker_pages_with_its_first_walk() -> None:
     task = testing.make_task()
     for _ in range(6):
         testing.make_run(task)
@@ -90,8 +90,12 @@ def test_a_global_cycle_reads_its_worker_pages_in_one_statement() -> None:
         result = dispatch_cycle(scope=GLOBAL)
     assert result.counts.claims_won == 6
     assert result.counts.workers_seen == 3
+    # Issue #12: on PostgreSQL the pages' rows come with the first walk, no
+    # statement of their own; elsewhere one statement reads every page.
     pages = [q for q in queries.captured_queries if 'ORDER BY s."worker_id" LIMIT' in q["sql"]]
-    assert len(pages) == 1
+    walks = [q for q in queries.captured_queries if "sess AS MATERIALIZED" in q["sql"]]
+    ahead = connection.vendor == "postgresql"
+    assert (len(pages), len(walks)) == ((0, 1) if ahead else (1, 0))
 
 
 # --------------------------------------------------------------- global start

@@ -23,6 +23,7 @@ from leases.locks import BatchKey, lock_claim_batch
 from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
+from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
 
@@ -109,12 +110,14 @@ def test_a_global_cycle_prepares_its_recovery_and_worker_reads() -> None:
         testing.open_session(worker, slots=16)
     for _ in range(3):  # each claims its budget of 8, reading both Worker pages
         assert dispatch_cycle(scope=DispatchScope.global_()).counts.claims_won == 8
-    # The first recovery page is read with the clock (dispatch.cycles.global_start).
+    # The first recovery page is read with the clock (dispatch.cycles.global_start),
+    # the Worker pages by the first walk (no statement of their own).
     recovery = _prepared("WITH h AS %l AS MATERIALIZED%")
-    workers = _prepared('%FROM "workers_workersession" s JOIN%ORDER BY s."worker_id" LIMIT%')
+    walks = _prepared("%sess AS MATERIALIZED%after_walk%")
     assert [runs for _, g, c in recovery for runs in (g + c,)] == [3]
-    assert [g + c for _, g, c in workers] == [3]
-    for text, _, _ in (*recovery, *workers):
+    assert [g + c for _, g, c in walks] == [3]
+    assert _prepared('%FROM "workers_workersession" s JOIN%ORDER BY s."worker_id" LIMIT%') == []
+    for text, _, _ in (*recovery, *walks):
         _no_state_parameter(text)
     # Each still answers as its port says (the contract suite checks the rest).
     assert (
@@ -221,3 +224,34 @@ def test_ids_of_every_width_share_one_prepared_statement_per_text() -> None:
     ):
         prepared = _prepared(like)  # the rows of several groups, of one group
         assert [g + c for _, g, c in prepared] == [3], prepared
+
+
+def test_the_walk_reads_ahead_exactly_the_rows_of_the_global_worker_page() -> None:
+    # Issue #12: a global cycle's first walk also reads its Worker snapshot
+    # (one statement fewer per claiming cycle); the rows must be the Worker
+    # page's own: online Sessions of active Workers, in worker id order, with
+    # their active leases.
+    task = testing.make_task()
+    for _ in range(12):
+        testing.make_run(task)
+    opened = [testing.open_session(testing.make_worker(slots=s)[0], slots=4) for s in (3, 4, 2)]
+    draining, paused = (testing.open_session(testing.make_worker()[0]) for _ in range(2))
+    WorkerSession.objects.filter(pk=draining.session.pk).update(state=SessionState.DRAINING)
+    Worker.objects.filter(pk=paused.session.worker_id).update(admin_state=WorkerAdminState.DRAINING)
+    assert dispatch_cycle(scope=DispatchScope.global_()).counts.claims_won == 8
+    assert RunLease.objects.filter(state=LeaseState.ACTIVE).count() == 8
+    for ahead in (2, 3, 9):
+        reader = OrmQueueReader(
+            observed_at=db_now(), scope=DispatchScope.global_(), workers_ahead=ahead
+        )
+        reader.walk(start=None, cap=8)
+        assert reader.worker_rows is not None
+        read = orm_module._worker_records(reader.worker_rows)
+        assert read == orm_module._global_worker_records(None, ahead)
+        assert len(read) == min(ahead, len(opened))
+    # Every slot taken: no Session could be served, nothing is read ahead.
+    for _ in range(3):
+        dispatch_cycle(scope=DispatchScope.global_())
+    reader = OrmQueueReader(observed_at=db_now(), scope=DispatchScope.global_(), workers_ahead=9)
+    reader.walk(start=None, cap=8)
+    assert reader.worker_rows is None
