@@ -174,3 +174,43 @@ def test_a_batch_refuses_a_write_that_must_hand_back_a_new_id() -> None:
     for writes in (created, asking):
         with pytest.raises(ValueError, match="returns an id"):
             AckWrites().add(writes)
+
+
+def test_plain_values_are_prepared_as_the_field_itself_prepares_them() -> None:
+    """`leases.writes._prepared` (its shortcut for plain values) against
+    `Field.get_db_prep_save`, every concrete field of the rows `Writes` writes,
+    on this database: the same value of the same type, or the same error."""
+    from leases.writes import _prepared
+
+    now = db_now()
+    values: list[object] = [
+        "",
+        "running",
+        "x" * 300,
+        0,
+        -1,
+        7,
+        2**31,
+        2**40,
+        True,
+        now,
+        now.replace(microsecond=0),
+        None,
+        LeaseState.ACTIVE,
+        1.5,
+    ]
+    db = connection
+    checked = 0
+    for model in (Attempt, Run, RunLease, AttemptEvent):
+        for field in model._meta.concrete_fields:
+            for value in values:
+                try:
+                    expected = field.get_db_prep_save(value, db)
+                except Exception as err:
+                    with pytest.raises(type(err)):
+                        _prepared(field, value, db)
+                    continue
+                got = _prepared(field, value, db)
+                assert (type(got), got) == (type(expected), expected), (field, value)
+                checked += 1
+    assert checked > 200, checked
