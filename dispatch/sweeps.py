@@ -79,9 +79,10 @@ class SweepCounts:
 def _expired_page(
     now: datetime, after: tuple[datetime, int] | None, limit: int
 ) -> list[tuple[datetime, int]]:
-    # Keyset over (expires_at, id) on the partial index runlease_active_expiry:
-    # rows a service left active (lost race, renewed meanwhile) are stepped
-    # over instead of being re-read by every page.
+    # Keyset over (expires_at, id) among the active leases (runlease_active; no
+    # index on expires_at since leases.0005, so renewals are HOT updates): rows
+    # a service left active (lost race, renewed meanwhile) are stepped over
+    # instead of being re-read by every page.
     qs = RunLease.objects.filter(lease_expired_q(now), state=LeaseState.ACTIVE)
     if after is not None:
         last_expiry, last_id = after

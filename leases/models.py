@@ -106,14 +106,16 @@ class RunLease(models.Model):
                 condition=Q(lease_generation__gte=1), name="runlease_generation_gte_1"
             ),
         ]
+        # No index on `expires_at` (leases.0005): a lease's renewals (its
+        # `starting` and `running` ACKs, heartbeats) change only it and
+        # `version`, so PostgreSQL updates the row in place (HOT), without a
+        # new entry in every index. The expiry sweep reads the active leases
+        # through runlease_active (a few per slot) and sorts them.
         indexes = [
-            # Recovery scan and slot counting touch active leases only.
+            # Recovery scan, slot counting and the expiry sweep touch active leases only.
             models.Index(fields=["id"], name="runlease_active", condition=Q(state="active")),
             models.Index(
                 fields=["session"], name="runlease_active_session", condition=Q(state="active")
-            ),
-            models.Index(
-                fields=["expires_at"], name="runlease_active_expiry", condition=Q(state="active")
             ),
             models.Index(fields=["session", "pull_id"], name="runlease_pull"),
         ]

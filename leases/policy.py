@@ -69,8 +69,8 @@ def lease_live_q(now: datetime) -> Q:
 def lease_expired_q(now: datetime) -> Q:
     """Leases expired at `now`: exactly the ones `lease_live_q` leaves out.
 
-    Written as `<=` rather than as a negation so the expiry sweep's range scan
-    uses the partial index `runlease_active_expiry`.
+    Written as `<=` rather than as a negation: a plain range condition, as the
+    expiry sweep's keyset over (expires_at, id) reads it.
     """
     return Q(expires_at__lte=now)
 
