@@ -9,6 +9,7 @@ waited on.
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import sys
@@ -172,3 +173,38 @@ def test_a_connection_marked_by_an_error_is_pinged_inside_the_window(
     connection.errors_occurred = True  # as an OperationalError leaves it
     assert _heartbeat(token)[0] == 200
     assert pings == [True]  # Django's own check at request start, kept
+
+
+def test_timestamptz_values_are_read_as_djangos_own_loader_reads_them() -> None:
+    """psycopg's C loader (`UtcTimestamptzLoader`) against Django's, on one
+    connection: the same `datetime` for offsets, fractions and both ends of
+    the range, in `datetime.timezone.utc`, and Django's cursors keep it."""
+    from django.db.backends.postgresql.psycopg_any import (  # type: ignore[import-untyped]
+        register_tzloader,
+    )
+    from psycopg.pq import Format
+
+    texts = [
+        "2026-12-04 21:00:00.5+05:30",
+        "2026-12-04 21:00:00+00",
+        "1999-12-31 23:59:59.999999-08",
+        "2000-02-29 12:00:00.000001+14",
+        "0001-01-02 00:00:00+00",
+        "9999-12-30 23:59:59.999999+00",
+    ]
+    sql = "SELECT " + ", ".join(f"'{text}'::timestamptz" for text in texts) + ", NULL::timestamptz"
+    oid = psycopg.adapters.types["timestamptz"].oid
+    with connection.cursor() as cursor:
+        raw = cast(Any, cursor).cursor  # the psycopg cursor under Django's wrapper
+        assert raw.adapters.get_loader(oid, Format.TEXT) is backend.UtcTimestamptzLoader
+        cursor.execute(sql)
+        ours = cursor.fetchone()
+        register_tzloader(connection.timezone, raw)  # Django's own, on this cursor only
+        assert raw.adapters.get_loader(oid, Format.TEXT) is not backend.UtcTimestamptzLoader
+        cursor.execute(sql)
+        djangos = cursor.fetchone()
+    assert ours == djangos, (ours, djangos)
+    assert ours[-1] is None
+    for value in ours[:-1]:
+        assert type(value) is datetime.datetime and value.tzinfo is datetime.UTC, value
+    assert ours[0] == datetime.datetime(2026, 12, 4, 15, 30, 0, 500000, tzinfo=datetime.UTC)
