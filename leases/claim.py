@@ -39,6 +39,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db.models.base import ModelState
 from psycopg import errors as pg_errors
 
 from dispatch.core.policy import free_slots
@@ -438,7 +439,9 @@ def _decide(
         if free_slots(policy.session_capacity(session), active + taken[session.pk]) < 1:
             refused[key.index] = _UNAVAILABLE
             continue
-        lease = _new_lease(row.attempt.pk, run.pk, session, request, now=now, delivered=delivered)
+        lease = _new_lease(
+            row.attempt.pk, run.pk, session, request, now=now, delivered=delivered, bare=True
+        )
         writes.claim(row.attempt, run, lease, actor=f"worker:{session.worker_id}")
         granted[key.index] = lease
         claimed.add(row.attempt.pk)
@@ -477,6 +480,7 @@ def _new_lease(
     *,
     now: datetime,
     delivered: bool,
+    bare: bool = False,
 ) -> RunLease:
     """The lease a won claim inserts (not saved).
 
@@ -485,25 +489,35 @@ def _new_lease(
     is written with it — a global cycle's announcement restarts the
     redelivery backoff, a pull's delivery also counts once toward
     `max_deliveries` (docs/adr/0005).
+
+    `bare`: only these fields, without `Model.__init__` (a page of claims
+    writes just them, `leases.writes.ClaimWrites`; every other column takes
+    its default there); a field not set is deferred, never a default.
     """
-    return RunLease(
-        attempt_id=attempt_id,
-        run_id=run_id,
-        worker_id=session.worker_id,
-        session_id=session.pk,
-        session_generation=session.generation,
-        lease_generation=request.lease_generation,
-        offer_id=request.offer_id,
-        token_digest=request.token_digest,
-        spec_digest=request.spec_sha256,
-        placement_score=request.placement_score,
-        source=request.source,
-        pull_id=request.pull_id,
-        claimed_at=now,
-        expires_at=now + timedelta(seconds=request.lease_ttl_s),
-        last_delivered_at=now if delivered else None,
-        delivery_count=1 if delivered and request.source == PULL_CLAIM else 0,
-    )
+    values = {
+        "attempt_id": attempt_id,
+        "run_id": run_id,
+        "worker_id": session.worker_id,
+        "session_id": session.pk,
+        "session_generation": session.generation,
+        "lease_generation": request.lease_generation,
+        "offer_id": request.offer_id,
+        "token_digest": request.token_digest,
+        "spec_digest": request.spec_sha256,
+        "placement_score": request.placement_score,
+        "source": request.source,
+        "pull_id": request.pull_id,
+        "claimed_at": now,
+        "expires_at": now + timedelta(seconds=request.lease_ttl_s),
+        "last_delivered_at": now if delivered else None,
+        "delivery_count": 1 if delivered and request.source == PULL_CLAIM else 0,
+    }
+    if bare:
+        lease = RunLease.__new__(RunLease)
+        lease._state = ModelState()  # unsaved: adding, no database yet
+        lease.__dict__.update(id=None, **values)
+        return lease
+    return RunLease(**values)
 
 
 class DatabaseClaimPort:

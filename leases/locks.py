@@ -709,13 +709,32 @@ def _batch_keys_sql() -> str:
 
 def _batch_keys_params(keys: Sequence[BatchKey]) -> list[Any]:
     return [
-        [k.index for k in keys],
-        [k.run_id for k in keys],
-        [k.attempt_id for k in keys],
-        [k.session_key for k in keys],
-        [k.pull_id for k in keys],
-        [k.token_digest for k in keys],
+        _key_array([k.index for k in keys]),
+        _key_array([k.run_id for k in keys]),
+        _key_array([k.attempt_id for k in keys]),
+        _key_array([k.session_key for k in keys]),
+        _key_array([k.pull_id for k in keys]),
+        _key_array([k.token_digest for k in keys]),
     ]
+
+
+def _key_array(values: Sequence[int | uuid.UUID | str | None]) -> str:
+    """An array of keys as its text form (`{…}`), which the statement casts to
+    the column's array type: psycopg sends it as text of unknown type, so the
+    statement's parameter types never change, and does not run a dumper per
+    element (issue #12, as `leases.writes._array_text` for an ACK wave).
+    Integers and UUIDs as they print; text quoted, a backslash or double quote
+    escaped."""
+    elements = []
+    for value in values:
+        if value is None:
+            elements.append("NULL")
+        elif isinstance(value, str):
+            text = value.replace("\\", "\\\\").replace('"', '\\"')
+            elements.append(f'"{text}"')
+        else:
+            elements.append(str(value))
+    return "{" + ",".join(elements) + "}"
 
 
 def _sessions_cte(where: str) -> str:

@@ -832,6 +832,12 @@ def _lease_column(field: Any, leases: Sequence[RunLease]) -> list[Any]:
     return values
 
 
+def _claim_array(values: Sequence[Any]) -> Any:
+    """A column of a page of claims as its array's text form (`_array_text`),
+    a UUID as its text."""
+    return _array_text([str(v) if isinstance(v, uuid.UUID) else v for v in values])
+
+
 _DEFAULTS: dict[str, list[Any]] = {}
 
 
@@ -973,27 +979,28 @@ class ClaimWrites:
             return {}
         claims = self._claims
         leases = [c.lease for c in claims]
-        sessions = [k for k, _ in counts.sessions]
+        sessions = _claim_array([k for k, _ in counts.sessions])
+        # Each array as its text form (`_array_text`): no dumper per element.
         params: list[Any] = [
             sessions,  # the Sessions counted (`sc`), then each with its count
             sessions,
-            [n for _, n in counts.sessions],
+            _claim_array([n for _, n in counts.sessions]),
             # A quota count's `now` stands before its arrays in the text.
             counts.now,
-            [k for k, _ in counts.projects],
-            [n for _, n in counts.projects],
+            _claim_array([k for k, _ in counts.projects]),
+            _claim_array([n for _, n in counts.projects]),
             counts.now,
-            [k for k, _ in counts.tasks],
-            [n for _, n in counts.tasks],
-            [k for k, _, _ in counts.pulls],
-            [p for _, p, _ in counts.pulls],
-            [t for _, _, t in counts.pulls],
-            [c.attempt.version for c in claims],
-            [c.run.version for c in claims],
-            [c.actor for c in claims],
+            _claim_array([k for k, _ in counts.tasks]),
+            _claim_array([n for _, n in counts.tasks]),
+            _claim_array([k for k, _, _ in counts.pulls]),
+            _claim_array([p for _, p, _ in counts.pulls]),
+            _claim_array([t for _, _, t in counts.pulls]),
+            _claim_array([c.attempt.version for c in claims]),
+            _claim_array([c.run.version for c in claims]),
+            _claim_array([c.actor for c in claims]),
             # What `save()` writes for each (leases.claim._new_lease): every
             # value here is already the column's type, a pull id a UUID.
-            *(_lease_column(field, leases) for field in _lease_fields()[0]),
+            *(_claim_array(_lease_column(field, leases)) for field in _lease_fields()[0]),
             # The history rows' clock: `auto_now_add`, read once for the page.
             timezone.now(),
             *_lease_defaults(),

@@ -352,6 +352,25 @@ def test_a_page_reads_each_active_lease_once_under_statistics_older_than_the_lea
         assert _lease_rows_scanned(plan["Plan"]) <= active, (kind, plan)
 
 
+def test_a_pages_keys_go_as_array_text_that_reads_back_as_the_values() -> None:
+    # Issue #12: a page's keys are sent as their arrays' text form (no psycopg
+    # dumper per element); whatever a text holds, it must read back as itself.
+    from leases.locks import _key_array
+
+    key = uuid.uuid4()
+    awkward = 'a"b\\c,{d} NULL e'
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT %s::bigint[], %s::uuid[], %s::varchar(64)[]",
+            [
+                _key_array([1, 2**40, None]),
+                _key_array([key, None]),
+                _key_array([awkward, "", None]),
+            ],
+        )
+        assert cursor.fetchone() == ([1, 2**40, None], [key, None], [awkward, "", None])
+
+
 # ---------------------------------------------------------------- lost races
 
 
