@@ -462,6 +462,21 @@ class _Revisions:
                 self._rows.popitem(last=False)
         return found
 
+    def read_missing(self, pks: set[int]) -> None:
+        """Read the rows of `pks` not kept yet, in one statement (a page's
+        candidates name a few revisions: one read, not one per revision)."""
+        with self._lock:
+            missing = [pk for pk in pks if pk not in self._rows]
+        if len(missing) < 2:
+            return  # none, or one: `get` reads it as cheaply
+        found = {r.pk: _revision_plan(r) for r in TaskRevision.objects.filter(pk__in=missing)}
+        with self._lock:
+            for pk, plan in found.items():
+                self._rows[pk] = plan
+                self._rows.move_to_end(pk)
+            while len(self._rows) > self._size:
+                self._rows.popitem(last=False)
+
     def clear(self) -> None:
         """Forget every row (tests: a test database may reuse primary keys)."""
         with self._lock:
@@ -504,6 +519,9 @@ class OrmCandidateSource:
                 memo.worker_rows = reader.worker_rows
             for item in page.items:
                 memo.candidates[item.attempt_id] = (item, int(reader.revision_pk(item)))
+            # Their pinned revisions, each plan's next read: the ones not kept
+            # yet in one statement (a new process, new Tasks).
+            revisions_read.read_missing({pk for _, pk in memo.candidates.values()})
         return page
 
 

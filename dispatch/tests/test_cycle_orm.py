@@ -479,6 +479,22 @@ def test_query_count_per_cycle_does_not_grow_with_the_backlog() -> None:
     assert len(small.captured_queries) == len(large.captured_queries)
 
 
+def test_a_cycle_reads_the_revisions_it_does_not_keep_yet_in_one_statement() -> None:
+    # Issue #12: a new process (or new Tasks) read each pinned revision with a
+    # statement of its own, up to a claim budget of them per cycle.
+    tasks = [testing.make_task(testing.make_project()) for _ in range(4)]
+    for task in tasks:
+        testing.make_run(task)
+    _sessions(2, slots=2)
+    revisions_read.clear()
+    with budget(redelivery_backoff_s=3600), CaptureQueriesContext(connection) as queries:
+        result = dispatch_cycle(scope=GLOBAL)
+    assert result.counts.claims_won == 4
+    assert len(read_from(queries, "runs_taskrevision")) == 1
+    for task in tasks:
+        assert revisions_read.get(int(str(task.current_revision_id))) is not None
+
+
 def test_query_count_of_a_full_cluster_cycle_does_not_grow_with_the_backlog() -> None:
     task = testing.make_task()
     _sessions(3, slots=1)
