@@ -644,7 +644,8 @@ class OrmWorkerSnapshotSource:
             # The same rows `_global_worker_records` reads, read by the walk
             # (`dispatch.adapters.queue`) for exactly this many.
             records = (
-                _worker_records(rows)
+                # PostgreSQL's text of a uuid is its canonical form already.
+                _worker_records(rows, canonical_ids=True)
                 if memo.workers_ahead == count
                 else _global_worker_records(after, count)
             )
@@ -704,17 +705,22 @@ def _global_worker_records(after: int | None, count: int) -> list[WorkerRecord]:
     return _worker_records(rows)
 
 
-def _worker_records(rows: Sequence[Sequence[Any]]) -> list[WorkerRecord]:
+def _worker_records(
+    rows: Sequence[Sequence[Any]], *, canonical_ids: bool = False
+) -> list[WorkerRecord]:
     """Records of rows of the global Worker snapshot: worker id, session id,
     generation, executor types and labels (their JSON text), the Session's and
-    the Worker's slots, active leases (`WORKER_AHEAD_COLUMNS`)."""
+    the Worker's slots, active leases (`WORKER_AHEAD_COLUMNS`).
+
+    `canonical_ids`: each session id is `str(uuid.UUID)`'s text already (a
+    uuid PostgreSQL wrote as text), taken as it is."""
     records = []
     for worker_id, session_id, generation, types, labels, slots, worker_slots, active in rows:
         executor_types, label_map = _capabilities(types, labels)
         records.append(
             WorkerRecord(
                 worker_id=str(worker_id),
-                session_id=_uuid_text(session_id),
+                session_id=session_id if canonical_ids else _uuid_text(session_id),
                 session_generation=int(generation),
                 executor_types=executor_types,
                 labels=label_map,

@@ -246,7 +246,7 @@ def test_the_walk_reads_ahead_exactly_the_rows_of_the_global_worker_page() -> No
         )
         reader.walk(start=None, cap=8)
         assert reader.worker_rows is not None
-        read = orm_module._worker_records(reader.worker_rows)
+        read = orm_module._worker_records(reader.worker_rows, canonical_ids=True)
         assert read == orm_module._global_worker_records(None, ahead)
         assert len(read) == min(ahead, len(opened))
     # Every slot taken: no Session could be served, nothing is read ahead.
