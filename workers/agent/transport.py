@@ -29,7 +29,7 @@ output senders), so a pull or an ACK costs one request, not a TCP (and TLS)
 handshake too. An idle connection is reused only while it is fresher than
 `IDLE_REUSE_S`, below the web server's keep-alive timeout (gunicorn's default
 `QL_WEB_KEEPALIVE_S` is 5 s), so the server seldom closes one under us; when
-it did (the request found the connection closed before any byte of an
+it did (the request found the connection closed before the first line of an
 answer), the request goes once more on a new connection. Every Worker API
 call may be repeated (an ACK of the same phase is a no-op, a pull is replayed
 by its pull id, a heartbeat is idempotent, a second Session open simply
@@ -263,15 +263,24 @@ def _read_line(reader: Any) -> bytes:
 
 def _read_answer(reader: Any) -> _Answer:
     """One answer: its status, its body (None if over the cap) and whether the
-    connection may carry another request. 1xx interim answers are skipped."""
-    first = True
+    connection may carry another request. 1xx interim answers are skipped.
+
+    Only an end or a reset before the answer's first line is `_Closed` or
+    `_STALE` (a reused connection the server had closed: the request goes
+    once more); once a line came, the request arrived, and a reset is a
+    `_Protocol` error: the request is never sent again."""
+    line = _read_line(reader)
+    if not line:
+        raise _Closed
+    try:
+        return _read_answer_from(reader, line)
+    except _STALE as err:
+        raise _Protocol(type(err).__name__) from None
+
+
+def _read_answer_from(reader: Any, line: bytes) -> _Answer:
+    """`_read_answer` once its first line came."""
     while True:
-        line = _read_line(reader)
-        if not line:
-            if first:
-                raise _Closed
-            raise _Protocol("RemoteDisconnected")
-        first = False
         version, _, rest = line.partition(b" ")
         code = rest[:3]
         if (
@@ -307,6 +316,9 @@ def _read_answer(reader: Any) -> _Answer:
         if not header:
             raise _Protocol("IncompleteRead")
         if 100 <= status < 200:
+            line = _read_line(reader)
+            if not line:
+                raise _Protocol("RemoteDisconnected")
             continue
         # HTTP/1.1 keeps the connection unless told otherwise; 1.0 only if told to.
         keep = b"close" not in connection if version == b"HTTP/1.1" else b"keep-alive" in connection

@@ -452,3 +452,62 @@ def test_https_to_an_untrusted_certificate_sends_nothing(
     with pytest.raises(TransportError, match="SSLCertVerificationError"):
         transport.post("/x", {}, token="secret")
     assert server.requests == []
+
+
+class _Resetting:
+    """A connection's far end as bytes: its reader hands out `answer`, then the
+    reset a killed server's kernel sends; what the client sends is kept."""
+
+    def __init__(self, answer: bytes) -> None:
+        import io
+
+        self._answer = io.BytesIO(answer)
+        self.sent: list[bytes] = []
+        self.sock = self
+        self.reader = self
+
+    def sendall(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self._answer.readline(limit)
+        if not line.endswith(b"\n"):
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return line
+
+    def read(self, size: int) -> bytes:
+        data = self._answer.read(size)
+        if len(data) < size:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return data
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("cut_answer", "sent_again"),
+    [
+        # Nothing of an answer: the server had closed the idle connection.
+        (b"", True),
+        # Part of an answer came: the request arrived, it is never sent again.
+        (b"HTTP/1.1 200 OK\r\n", False),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n{"cut', False),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n", False),
+    ],
+)
+def test_a_reused_connection_reset_is_sent_again_only_before_any_byte_of_an_answer(
+    monkeypatch: pytest.MonkeyPatch, cut_answer: bytes, sent_again: bool
+) -> None:
+    import time
+
+    transport = HttpTransport("http://127.0.0.1:9")
+    cut, fresh = _Resetting(cut_answer), _Resetting(_answer(b"{}", b"Content-Length: 2"))
+    transport._idle.append((cut, time.monotonic()))  # type: ignore[arg-type]  # kept alive
+    monkeypatch.setattr(transport, "_connect", lambda: fresh)
+    if sent_again:
+        assert transport.post("/x", {}, token="t").status == 200
+    else:
+        with pytest.raises(TransportError, match=r"^ConnectionResetError$"):
+            transport.post("/x", {}, token="t")
+    assert (len(cut.sent), len(fresh.sent)) == (1, 1 if sent_again else 0)
