@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import enum
 import errno
 import functools
 import itertools
@@ -247,18 +248,34 @@ while True:
 """
 
 
+class _Cover(enum.Enum):
+    """What became of a child handed to the death guard."""
+
+    HELD = "held"  # the guard holds its pidfd
+    MISSED = "missed"  # this child only (the agent out of fds a moment): the next spawn tries again
+    REFUSED = "refused"  # no guard takes children now: the spawner turns to the signal
+
+
+# pidfd_open's errors that pass: the agent (or the box) out of fds or memory
+# for a moment, or the child gone already. Any other (ENOSYS, EPERM from a
+# sandbox, EINVAL) will not.
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ESRCH})
+
+
 class _Guard:
     """The agent's death guard: kills the agent's children when the agent
     process dies, in place of a parent-death signal set in each child.
 
     One per agent process, started at the first spawner that asks (`start`),
     in the agent's process group (what stops the group stops it too; it
-    ignores the group's SIGINT/SIGTERM/SIGHUP and ends when the agent does).
-    `cover(pid)` hands it a pidfd of a just-spawned child: race-free whatever
-    becomes of the pid. Like setpriv's prctl, the cover comes just after the
-    spawn: an agent killed in between leaves that child to the restarted
-    agent's orphan handling (docs/adr/0008). A guard that died is replaced at
-    the next cover; the children it held are no longer covered."""
+    ignores the group's SIGINT/SIGTERM/SIGHUP and ends when the agent does),
+    in "/" (it pins no mount the agent was started in). `cover(pid)` hands it
+    a pidfd of a just-spawned child: race-free whatever becomes of the pid.
+    Like setpriv's prctl, the cover comes just after the spawn: an agent
+    killed in between leaves that child to the restarted agent's orphan
+    handling (docs/adr/0008). A guard that died is reaped at once (the exit
+    watcher, by its pid alone) and replaced at the next cover; the children
+    it held are no longer covered."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -307,6 +324,7 @@ class _Guard:
                     [sys.executable, "-I", "-S", "-c", _GUARD_PROGRAM, str(theirs.fileno())],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
+                    cwd="/",
                     env={},  # nothing of the agent's environment (its secrets)
                     pass_fds=(theirs.fileno(),),
                 )
@@ -314,10 +332,21 @@ class _Guard:
             ours.close()
             return False
         self._socket, self._process, self._owner = ours, process, os.getpid()
+        # Reaped as soon as it dies, not at the next spawn: by its own pid
+        # (Popen.poll), never a wait for any child that could take a Run's.
+        _EXITS.watch(process.pid, functools.partial(self._reap, process))
         if not self._atexit:
             self._atexit = True
             atexit.register(self.stop)
         return True
+
+    def _reap(self, process: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            if process is self._process and self._owner == os.getpid():
+                self._drop_locked()  # the next cover starts another
+                return
+        with contextlib.suppress(OSError):
+            process.poll()
 
     def stop(self) -> None:
         """At the interpreter's exit (after its non-daemon threads, the
@@ -332,19 +361,20 @@ class _Guard:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=2)
 
-    def cover(self, pid: int) -> bool:
-        """Hand the guard a pidfd of child `pid`; False: not covered (no
-        guard could be started, the guard takes nothing now, or `pid` is
-        gone already)."""
+    def cover(self, pid: int) -> _Cover:
+        """Hand the guard a pidfd of child `pid`."""
         try:
             pidfd = os.pidfd_open(pid)
-        except OSError:
-            return False
+        except OSError as err:
+            # Out of fds for a moment: this child runs uncovered, the guard
+            # stays for the next. A kernel or sandbox that refuses pidfds
+            # refuses them for good.
+            return _Cover.MISSED if err.errno in _TRANSIENT else _Cover.REFUSED
         try:
             with self._lock:
                 for _ in range(2):  # a guard that died is replaced once
                     if not self._start_locked():
-                        return False
+                        return _Cover.REFUSED
                     assert self._socket is not None
                     try:
                         socket.send_fds(self._socket, [b"p"], [pidfd], socket.MSG_NOSIGNAL)
@@ -356,9 +386,9 @@ class _Guard:
                         # queue full): never wait on it with the lock held
                         # (every spawn would), nor drop it (its end of the
                         # socket closing, it would kill the children it holds).
-                        return False
-                    return True
-                return False
+                        return _Cover.REFUSED
+                    return _Cover.HELD
+                return _Cover.REFUSED
         finally:
             os.close(pidfd)
 
@@ -556,11 +586,22 @@ class ProcessSpawner:
     it without a path lookup per spawn (a spec's own cwd is still resolved
     and checked at each spawn, symlinks and all). The child's death with the
     agent: the agent's death guard where Linux has one (`guard=False`: not
-    asked, the fallbacks' tests), else `setpriv --pdeathsig`, else a
+    asked, the fallbacks' tests; `death_guard`: another than the agent
+    process's own, the guard's tests), else `setpriv --pdeathsig`, else a
     `preexec_fn` (`setpriv=False`: the preexec_fn even where setpriv has it).
+    A guard that takes no more children turns the spawner to the signal for
+    good; a child it missed for a passing reason (the agent out of fds a
+    moment) runs uncovered alone, and the next spawn is guarded again.
     """
 
-    def __init__(self, workdir: Path, *, guard: bool = True, setpriv: bool = True) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        guard: bool = True,
+        setpriv: bool = True,
+        death_guard: _Guard | None = None,
+    ) -> None:
         self.workdir = workdir
         self._base = workdir.resolve()
         self._wrapper: Sequence[str] = ()
@@ -572,7 +613,9 @@ class ProcessSpawner:
         # Guarded or not, with which wrapper or preexec_fn: read together by
         # each spawn and changed together (runner threads spawn at once).
         self._mode_lock = threading.Lock()
-        self._guarded = guard and _GUARD.start()
+        # The agent process's guard; a test may give a spawner one of its own.
+        self._death_guard = _GUARD if death_guard is None else death_guard
+        self._guarded = guard and self._death_guard.start()
         if not self._guarded:
             self._fall_back()
 
@@ -639,9 +682,10 @@ class ProcessSpawner:
             # The preexec function failed in the child: nothing was executed.
             output.close()
             raise OSError(str(err)) from None
-        if guarded and not _GUARD.cover(popen.pid):
-            # No guard could be (re)started: this child runs uncovered (like
+        if guarded and self._death_guard.cover(popen.pid) is _Cover.REFUSED:
+            # No guard takes children now: this child runs uncovered (like
             # one whose agent died before setpriv's prctl); the next ones get
-            # the parent-death signal.
+            # the parent-death signal. A child MISSED (the agent out of fds
+            # a moment) runs uncovered alone: the next spawn is guarded.
             self._fall_back()
         return LocalProcess(popen, output, offer_id=offer_id)

@@ -6,26 +6,21 @@ command in the same process; a `preexec_fn` (fork) where setpriv cannot.
 Every way the child dies with the agent (with the thread that spawned it,
 for the signal), the job sees its own argv, the recorded pid and start time
 are the job's, and a program that cannot be run is a refused spawn, not an
-exit code."""
+exit code. The guard itself: test_agent_guard.py."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from workers.agent import executor, procfs
+from workers.agent import procfs
 from workers.agent.executor import LocalProcess, ProcessSpawner, parent_death_wrapper
 from workers.agent.protocol import AttemptRunner
 from workers.tests.markers import offer_id
@@ -34,7 +29,7 @@ from workers.tests.test_agent import TOKEN, FakeTransport, a_spec, an_offer
 
 linux_only = pytest.mark.skipif(not procfs.procfs_available(), reason="needs Linux /proc")
 
-Way = dict[str, bool]  # ProcessSpawner's keyword arguments
+Way = dict[str, Any]  # ProcessSpawner's keyword arguments
 
 # Every way the child dies with the agent: the guard (vfork), the parent-death
 # signal set by setpriv (vfork) or by a preexec_fn (fork).
@@ -289,198 +284,3 @@ def test_a_program_removed_after_a_spawn_is_refused_at_the_next(tmp_path: Path) 
     (second / "ql-tool").write_text("#!/bin/sh\necho second\n")
     (second / "ql-tool").chmod(0o755)
     assert spawn() == "second"
-
-
-# ---- the agent's death guard
-
-_REPO = Path(__file__).resolve().parents[2]
-
-# An agent process in miniature: spawns `sleep 60` from a thread that then
-# ends (the parent-death signal would fire there), prints the child's pid and
-# the guard's, then waits to be killed.
-_STAND_IN = """
-import sys, threading, time
-from pathlib import Path
-from workers.agent import executor
-spawner = executor.ProcessSpawner(Path(sys.argv[1]))
-assert spawner.guarded
-spawned = []
-thread = threading.Thread(
-    target=lambda: spawned.append(spawner({"command": ["sleep", "60"], "env": {}}))
-)
-thread.start()
-thread.join()
-print(spawned[0].pid, executor.death_guard_pid(), flush=True)
-time.sleep(120)
-"""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _held_by(guard: int) -> set[int]:
-    """The pids whose pidfds the guard holds (its fds' fdinfo "Pid:" lines)."""
-    pids = set()
-    for info in Path(f"/proc/{guard}/fdinfo").iterdir():
-        with contextlib.suppress(OSError):
-            for line in info.read_text().splitlines():
-                if line.startswith("Pid:"):
-                    pids.add(int(line.split()[1]))
-    return pids
-
-
-@linux_only
-def test_the_guard_kills_the_child_with_the_agent_process_not_with_its_thread(
-    tmp_path: Path,
-) -> None:
-    agent = subprocess.Popen(
-        [sys.executable, "-c", _STAND_IN, str(tmp_path)],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert agent.stdout is not None
-        child, guard = (int(part) for part in agent.stdout.readline().split())
-        eventually(_is_running(child, ["sleep", "60"]), 10, "sleep exec'd")
-        # The thread that spawned it ended: the child runs on (no signal of its own).
-        time.sleep(0.2)
-        assert _alive(child)
-        eventually(lambda: child in _held_by(guard), 10, "the guard holds the child")
-        # The guard is in the agent's process group and outlives a TERM to it.
-        assert os.getpgid(guard) == agent.pid
-        os.kill(guard, signal.SIGTERM)
-        time.sleep(0.2)
-        assert _alive(guard)
-        agent.kill()  # kill -9 of the agent process alone
-        agent.wait(10)
-        eventually(lambda: not _alive(child), 10, "the guard killed the child")
-        eventually(lambda: not _alive(guard), 10, "the guard ended with the agent")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(10)
-        if agent.stdout is not None:
-            agent.stdout.close()
-
-
-@linux_only
-def test_a_killed_guard_is_replaced_at_the_next_spawn(tmp_path: Path) -> None:
-    spawner = ProcessSpawner(tmp_path)
-    assert spawner.guarded
-    old = executor.death_guard_pid()
-    assert old is not None
-    os.kill(old, signal.SIGKILL)
-    eventually(lambda: not _alive(old), 10, "the guard died")
-    process = spawner(a_spec(command=["sleep", "60"]))
-    try:
-        new = executor.death_guard_pid()
-        assert spawner.guarded
-        assert new is not None
-        assert new != old
-        eventually(lambda: process.pid in _held_by(new), 10, "the new guard holds the child")
-    finally:
-        _end(process)
-    # Its exit drops its pidfd.
-    eventually(lambda: process.pid not in _held_by(new), 10, "the guard let go of the child")
-
-
-@linux_only
-def test_a_stopped_guard_never_blocks_a_spawn_and_keeps_its_children(tmp_path: Path) -> None:
-    """A guard that takes nothing (SIGSTOP) fills its socket's queue: the
-    spawns go on uncovered, then with the parent-death signal; the guard is
-    kept, and when it goes on it still holds (and has not killed) its child."""
-    spawner = ProcessSpawner(tmp_path)
-    assert spawner.guarded
-    guard = executor.death_guard_pid()
-    assert guard is not None
-    held = spawner(a_spec(command=["sleep", "60"]))
-    spawned = 0
-    # A small send buffer: the queue fills within a few spawns whatever the
-    # machine's default (wmem_default; 212 KiB here: 278 spawns).
-    ours = executor._GUARD._socket
-    assert ours is not None
-    default = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-    try:
-        eventually(lambda: held.pid in _held_by(guard), 10, "the guard holds the child")
-        os.kill(guard, signal.SIGSTOP)
-
-        def spawn_until_uncovered() -> None:
-            nonlocal spawned
-            while spawner.guarded and spawned < 5000:
-                process = spawner(a_spec(command=["true"]))
-                process.wait(timeout=30)
-                process.release(grace_s=0)
-                process.close()
-                spawned += 1
-
-        worker = threading.Thread(target=spawn_until_uncovered, daemon=True)
-        worker.start()
-        worker.join(60)
-        assert not worker.is_alive(), f"a spawn waited on the stopped guard after {spawned}"
-        assert not spawner.guarded
-        assert spawned < 5000
-        assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
-    finally:
-        os.kill(guard, signal.SIGCONT)
-        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, default // 2)
-    try:
-        assert executor.death_guard_pid() == guard
-        time.sleep(0.2)
-        assert _alive(held.pid)
-        assert held.pid in _held_by(guard)
-    finally:
-        _end(held)
-
-
-_READ_SIGNAL = (
-    "import ctypes; v = ctypes.c_int();"
-    "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
-)
-
-
-def _signal_of_child(spawner: ProcessSpawner) -> str:
-    """The parent-death signal a child of `spawner` reads back ("0": none)."""
-    process = spawner(a_spec(command=[sys.executable, "-c", _READ_SIGNAL]))
-    assert process.wait(timeout=30) == 0
-    process.release(grace_s=0)
-    tail = process.output_tail(100).strip()
-    process.close()
-    return tail
-
-
-@linux_only
-def test_with_the_guard_the_child_has_no_signal_of_its_own(tmp_path: Path) -> None:
-    spawner = ProcessSpawner(tmp_path)
-    assert spawner.guarded
-    assert spawner.uses_vfork
-    assert _signal_of_child(spawner) == "0"
-
-
-@linux_only
-def test_no_guard_falls_back_to_the_parent_death_signal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(executor._GUARD, "start", lambda: False)
-    spawner = ProcessSpawner(tmp_path)
-    assert not spawner.guarded
-    assert spawner.uses_vfork  # setpriv
-    assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
-
-
-@linux_only
-def test_a_child_the_guard_could_not_take_turns_the_spawner_to_the_signal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    spawner = ProcessSpawner(tmp_path)
-    assert spawner.guarded
-    monkeypatch.setattr(executor._GUARD, "cover", lambda pid: False)
-    assert _signal_of_child(spawner) == "0"  # spawned before the cover failed
-    assert not spawner.guarded
-    assert _signal_of_child(spawner) == str(int(signal.SIGKILL))

@@ -1,0 +1,309 @@
+"""The agent's death guard (workers/agent/executor.py, `_Guard`): it kills the
+children with the agent process, not with their thread; it runs in "/"; a
+guard that dies is reaped at once and replaced at the next spawn; a stopped
+guard never blocks a spawn and turns the spawner to the parent-death signal,
+keeping the children it holds; a child missed for a passing reason
+(the agent out of fds) leaves the spawner guarded. Tests that kill, stop or
+fill a guard give their spawner one of its own (`own_guard`), never the
+process's, which the other tests' spawners share."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from workers.agent import executor
+from workers.agent.executor import ProcessSpawner
+from workers.tests.polling import eventually
+from workers.tests.test_agent import a_spec
+from workers.tests.test_agent_spawn import _end, _is_running, linux_only
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def own_guard() -> Iterator[executor._Guard]:
+    guard = executor._Guard()
+    yield guard
+    guard.stop()  # kills what it still holds, as the agent's exit would
+
+
+def _pid(guard: executor._Guard) -> int:
+    pid = guard.pid
+    assert pid is not None
+    return pid
+
+
+# An agent process in miniature: spawns `sleep 60` from a thread that then
+# ends (the parent-death signal would fire there), prints the child's pid and
+# the guard's, then waits to be killed.
+_STAND_IN = """
+import sys, threading, time
+from pathlib import Path
+from workers.agent import executor
+spawner = executor.ProcessSpawner(Path(sys.argv[1]))
+assert spawner.guarded
+spawned = []
+thread = threading.Thread(
+    target=lambda: spawned.append(spawner({"command": ["sleep", "60"], "env": {}}))
+)
+thread.start()
+thread.join()
+print(spawned[0].pid, executor.death_guard_pid(), flush=True)
+time.sleep(120)
+"""
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter ("Z": a zombie), None once it is reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in (None, "Z")
+
+
+def _held_by(guard: int) -> set[int]:
+    """The pids whose pidfds the guard holds (its fds' fdinfo "Pid:" lines)."""
+    pids = set()
+    for info in Path(f"/proc/{guard}/fdinfo").iterdir():
+        with contextlib.suppress(OSError):
+            for line in info.read_text().splitlines():
+                if line.startswith("Pid:"):
+                    pids.add(int(line.split()[1]))
+    return pids
+
+
+_READ_SIGNAL = (
+    "import ctypes; v = ctypes.c_int();"
+    "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
+)
+
+
+def _signal_of_child(spawner: ProcessSpawner) -> str:
+    """The parent-death signal a child of `spawner` reads back ("0": none)."""
+    process = spawner(a_spec(command=[sys.executable, "-c", _READ_SIGNAL]))
+    assert process.wait(timeout=30) == 0
+    process.release(grace_s=0)
+    tail = process.output_tail(100).strip()
+    process.close()
+    return tail
+
+
+@linux_only
+def test_the_guard_kills_the_child_with_the_agent_process_not_with_its_thread(
+    tmp_path: Path,
+) -> None:
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _STAND_IN, str(tmp_path)],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert agent.stdout is not None
+        child, guard = (int(part) for part in agent.stdout.readline().split())
+        eventually(_is_running(child, ["sleep", "60"]), 10, "sleep exec'd")
+        # The thread that spawned it ended: the child runs on (no signal of its own).
+        time.sleep(0.2)
+        assert _alive(child)
+        eventually(lambda: child in _held_by(guard), 10, "the guard holds the child")
+        # The guard is in the agent's process group and outlives a TERM to it.
+        assert os.getpgid(guard) == agent.pid
+        os.kill(guard, signal.SIGTERM)
+        time.sleep(0.2)
+        assert _alive(guard)
+        agent.kill()  # kill -9 of the agent process alone
+        agent.wait(10)
+        eventually(lambda: not _alive(child), 10, "the guard killed the child")
+        eventually(lambda: not _alive(guard), 10, "the guard ended with the agent")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        if agent.stdout is not None:
+            agent.stdout.close()
+
+
+@linux_only
+def test_the_guard_runs_in_the_root_directory(tmp_path: Path, own_guard) -> None:
+    # Started from a directory of its own, it pins no mount (tmp_path here).
+    os.chdir(tmp_path)
+    try:
+        assert ProcessSpawner(tmp_path, death_guard=own_guard).guarded
+    finally:
+        os.chdir(_REPO)
+    assert Path(f"/proc/{_pid(own_guard)}/cwd").readlink() == Path("/")
+
+
+@linux_only
+def test_a_killed_guard_is_reaped_at_once_and_replaced_at_the_next_spawn(
+    tmp_path: Path, own_guard
+) -> None:
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    # A Run's child that has exited and is not waited for yet: a zombie that
+    # only its runner may reap (its exit status is the Attempt's).
+    ended = spawner(a_spec(command=["sh", "-c", "exit 7"]))
+    eventually(lambda: _state(ended.pid) == "Z", 10, "the child exited")
+    old = _pid(own_guard)
+    os.kill(old, signal.SIGKILL)
+    # No spawn in between: the agent reaps its guard by itself, and no other child.
+    eventually(lambda: _state(old) is None, 10, "the dead guard reaped")
+    assert own_guard.pid is None
+    assert _state(ended.pid) == "Z"
+    assert ended.wait(timeout=10) == 7
+    ended.release(grace_s=0)
+    ended.close()
+    process = spawner(a_spec(command=["sleep", "60"]))
+    try:
+        new = _pid(own_guard)
+        assert spawner.guarded
+        assert new != old
+        eventually(lambda: process.pid in _held_by(new), 10, "the new guard holds the child")
+    finally:
+        _end(process)
+    # Its exit drops its pidfd.
+    eventually(lambda: process.pid not in _held_by(new), 10, "the guard let go of the child")
+
+
+@linux_only
+def test_a_stopped_guard_never_blocks_a_spawn_and_keeps_its_children(
+    tmp_path: Path, own_guard
+) -> None:
+    """A guard that takes nothing (SIGSTOP) fills its socket's queue: the
+    spawns go on uncovered, then with the parent-death signal; the guard is
+    kept, and when it goes on it still holds (and has not killed) its child."""
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    guard = _pid(own_guard)
+    held = spawner(a_spec(command=["sleep", "60"]))
+    spawned = 0
+    # A small send buffer: the queue fills within a few spawns whatever the
+    # machine's default (wmem_default; 212 KiB here: 278 spawns).
+    ours = own_guard._socket
+    assert ours is not None
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    try:
+        eventually(lambda: held.pid in _held_by(guard), 10, "the guard holds the child")
+        os.kill(guard, signal.SIGSTOP)
+
+        def spawn_until_uncovered() -> None:
+            nonlocal spawned
+            while spawner.guarded and spawned < 5000:
+                process = spawner(a_spec(command=["true"]))
+                process.wait(timeout=30)
+                process.release(grace_s=0)
+                process.close()
+                spawned += 1
+
+        worker = threading.Thread(target=spawn_until_uncovered, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), f"a spawn waited on the stopped guard after {spawned}"
+        assert not spawner.guarded
+        assert spawned < 5000
+        assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+    finally:
+        os.kill(guard, signal.SIGCONT)
+    try:
+        assert own_guard.pid == guard
+        time.sleep(0.2)
+        assert _alive(held.pid)
+        assert held.pid in _held_by(guard)
+    finally:
+        _end(held)
+
+
+@linux_only
+@pytest.mark.parametrize(
+    ("error", "guarded"),
+    [(errno.EMFILE, True), (errno.ENFILE, True), (errno.ENOSYS, False), (errno.EPERM, False)],
+    ids=["EMFILE", "ENFILE", "ENOSYS", "EPERM"],
+)
+def test_a_passing_pidfd_failure_misses_that_child_alone(
+    tmp_path: Path,
+    own_guard,
+    monkeypatch: pytest.MonkeyPatch,
+    error: int,
+    guarded: bool,
+) -> None:
+    """The agent out of fds a moment when it opens a child's pidfd: that child
+    runs uncovered, the next is guarded again. A kernel or sandbox refusing
+    pidfds turns the spawner to the parent-death signal for good."""
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    pidfd_open = os.pidfd_open
+    failed: list[int] = []
+
+    def failing_once(pid: int, flags: int = 0) -> int:
+        if not failed and pid != os.getpid():
+            failed.append(pid)
+            raise OSError(error, os.strerror(error))
+        return pidfd_open(pid, flags)
+
+    monkeypatch.setattr(os, "pidfd_open", failing_once)
+    missed = spawner(a_spec(command=["sleep", "60"]))
+    monkeypatch.setattr(os, "pidfd_open", pidfd_open)
+    try:
+        assert failed == [missed.pid]
+        assert spawner.guarded is guarded
+        if guarded:
+            assert _signal_of_child(spawner) == "0"
+            process = spawner(a_spec(command=["sleep", "60"]))
+            try:
+                eventually(
+                    lambda: process.pid in _held_by(_pid(own_guard)), 10, "the next one is held"
+                )
+            finally:
+                _end(process)
+        else:
+            assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+    finally:
+        _end(missed)
+
+
+@linux_only
+def test_with_the_guard_the_child_has_no_signal_of_its_own(tmp_path: Path, own_guard) -> None:
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    assert spawner.uses_vfork
+    assert _signal_of_child(spawner) == "0"
+
+
+@linux_only
+def test_no_guard_falls_back_to_the_parent_death_signal(
+    tmp_path: Path, own_guard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(own_guard, "start", lambda: False)
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert not spawner.guarded
+    assert spawner.uses_vfork  # setpriv
+    assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+
+
+@linux_only
+def test_a_child_the_guard_could_not_take_turns_the_spawner_to_the_signal(
+    tmp_path: Path, own_guard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    monkeypatch.setattr(own_guard, "cover", lambda pid: executor._Cover.REFUSED)
+    assert _signal_of_child(spawner) == "0"  # spawned before the cover failed
+    assert not spawner.guarded
+    assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
