@@ -218,11 +218,21 @@ _EXITS = _ExitWatcher()
 # pidfd (a child to kill with the agent); EOF is the agent process gone. A
 # child's pidfd is dropped once it exits. SIGINT/SIGTERM/SIGHUP (the agent's
 # process group's, e.g. a terminal's or a service manager's) are ignored: the
-# guard outlives the agent's shutdown, its end is the agent's.
+# guard outlives the agent's shutdown, its end is the agent's. It holds one fd
+# per running child, so its soft RLIMIT_NOFILE goes up to the hard limit; a
+# pidfd the kernel could not hand it past that limit (MSG_CTRUNC: the message
+# came, its fd was closed) is a child it does not hold, and it tells the agent
+# ("full"), which then covers no more children with this guard.
 _GUARD_PROGRAM = """
-import os, select, signal, socket, sys
+import os, resource, select, signal, socket, sys
 for name in ("SIGINT", "SIGTERM", "SIGHUP"):
     signal.signal(getattr(signal, name), signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if soft != hard:
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        pass
 agent = socket.socket(fileno=int(sys.argv[1]))
 epoll = select.epoll()
 epoll.register(agent.fileno(), select.EPOLLIN)
@@ -234,7 +244,10 @@ while True:
             os.close(fd)
             held.discard(fd)
             continue
-        message, fds, _, _ = socket.recv_fds(agent, 16, 16)
+        try:
+            message, fds, flags, _ = socket.recv_fds(agent, 16, 16)
+        except OSError:  # ECONNRESET: the agent gone with an answer unread
+            message, fds, flags = b"", [], 0
         if not message and not fds:
             for pidfd in held:
                 try:
@@ -245,6 +258,11 @@ while True:
         for pidfd in fds:
             held.add(pidfd)
             epoll.register(pidfd, select.EPOLLIN)
+        if flags & socket.MSG_CTRUNC or not fds:
+            try:
+                agent.send(b"full", socket.MSG_DONTWAIT)
+            except OSError:
+                pass
 """
 
 
@@ -275,13 +293,15 @@ class _Guard:
     killed in between leaves that child to the restarted agent's orphan
     handling (docs/adr/0008). A guard that died is reaped at once (the exit
     watcher, by its pid alone) and replaced at the next cover; the children
-    it held are no longer covered."""
+    it held are no longer covered. A guard that said it is full (its fd
+    limit) is kept, with what it holds, and covers nothing more."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._owner = 0  # the pid of the process that started it (a fork starts its own)
+        self._full = False
         self._atexit = False
 
     @property
@@ -332,6 +352,7 @@ class _Guard:
             ours.close()
             return False
         self._socket, self._process, self._owner = ours, process, os.getpid()
+        self._full = False
         # Reaped as soon as it dies, not at the next spawn: by its own pid
         # (Popen.poll), never a wait for any child that could take a Run's.
         _EXITS.watch(process.pid, functools.partial(self._reap, process))
@@ -376,6 +397,8 @@ class _Guard:
                     if not self._start_locked():
                         return _Cover.REFUSED
                     assert self._socket is not None
+                    if self._full or self._said_full_locked():
+                        return _Cover.REFUSED
                     try:
                         socket.send_fds(self._socket, [b"p"], [pidfd], socket.MSG_NOSIGNAL)
                     except (BrokenPipeError, ConnectionResetError):
@@ -391,6 +414,20 @@ class _Guard:
                 return _Cover.REFUSED
         finally:
             os.close(pidfd)
+
+    def _said_full_locked(self) -> bool:
+        """Whether the guard answered "full": a pidfd it could not take past
+        its fd limit (one non-blocking read per cover, nothing waiting)."""
+        assert self._socket is not None
+        while True:
+            try:
+                answer = self._socket.recv(16, socket.MSG_DONTWAIT)
+            except OSError:
+                return self._full  # nothing waiting (or the send will tell)
+            if not answer:
+                return self._full  # the guard ended: the send replaces it
+            if answer == b"full":
+                self._full = True
 
     def _drop_locked(self) -> None:
         if self._socket is not None:

@@ -1,8 +1,8 @@
 """The agent's death guard (workers/agent/executor.py, `_Guard`): it kills the
 children with the agent process, not with their thread; it runs in "/"; a
-guard that dies is reaped at once and replaced at the next spawn; a stopped
-guard never blocks a spawn and turns the spawner to the parent-death signal,
-keeping the children it holds; a child missed for a passing reason
+guard that dies is reaped at once and replaced at the next spawn; a stopped or
+full guard never blocks a spawn and turns the spawner to the parent-death
+signal, keeping the children it holds; a child missed for a passing reason
 (the agent out of fds) leaves the spawner guarded. Tests that kill, stop or
 fill a guard give their spawner one of its own (`own_guard`), never the
 process's, which the other tests' spawners share."""
@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
+import select
 import signal
 import socket
 import subprocess
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from workers.agent import executor
-from workers.agent.executor import ProcessSpawner
+from workers.agent.executor import LocalProcess, ProcessSpawner
 from workers.tests.polling import eventually
 from workers.tests.test_agent import a_spec
 from workers.tests.test_agent_spawn import _end, _is_running, linux_only
@@ -228,6 +230,62 @@ def test_a_stopped_guard_never_blocks_a_spawn_and_keeps_its_children(
         assert held.pid in _held_by(guard)
     finally:
         _end(held)
+
+
+def _first_free_fd(pid: int) -> int:
+    used = {int(path.name) for path in Path(f"/proc/{pid}/fd").iterdir()}
+    return next(fd for fd in range(len(used) + 1) if fd not in used)
+
+
+@linux_only
+def test_a_guard_at_its_fd_limit_says_so_and_the_spawner_turns_to_the_signal(
+    tmp_path: Path, own_guard
+) -> None:
+    """Past its RLIMIT_NOFILE the kernel cannot hand the guard a pidfd (the
+    message comes, MSG_CTRUNC, the fd closed): that child is not held. The
+    guard says so; the next spawn is not handed to it but gets the
+    parent-death signal, and the guard keeps (and has not killed) what it holds."""
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    guard = _pid(own_guard)
+    first = spawner(a_spec(command=["sleep", "60"]))
+    spawned: list[LocalProcess] = [first]
+    try:
+        eventually(lambda: first.pid in _held_by(guard), 10, "the guard holds the first child")
+        # Room for exactly one more fd: the next child's pidfd.
+        limit = _first_free_fd(guard) + 1
+        resource.prlimit(guard, resource.RLIMIT_NOFILE, (limit, limit))
+        held = spawner(a_spec(command=["sleep", "60"]))
+        spawned.append(held)
+        eventually(lambda: held.pid in _held_by(guard), 10, "the guard holds the second child")
+        # The third is dropped; the guard's answer reaches the spawner by a later spawn.
+        for _ in range(50):
+            if not spawner.guarded:
+                break
+            spawned.append(spawner(a_spec(command=["sleep", "60"])))
+            time.sleep(0.05)
+        assert not spawner.guarded, "the guard dropped children and nobody knew"
+        assert _held_by(guard) == {first.pid, held.pid}
+        assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+        assert own_guard.pid == guard
+        assert _alive(first.pid)
+        assert _alive(held.pid)
+        # The agent gone with an answer of the guard's unread (its recv is
+        # then reset, not ended): the guard still kills what it holds.
+        ours = own_guard._socket
+        assert ours is not None
+        pidfd = os.pidfd_open(first.pid)
+        try:
+            socket.send_fds(ours, [b"p"], [pidfd])
+        finally:
+            os.close(pidfd)
+        assert select.select([ours], [], [], 10)[0], "the guard answered"
+        own_guard.stop()
+        eventually(lambda: not _alive(first.pid), 10, "the guard killed the first child")
+        eventually(lambda: not _alive(held.pid), 10, "the guard killed the second child")
+    finally:
+        for process in spawned:
+            _end(process)
 
 
 @linux_only
