@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import Model
 from django.db.models.base import ModelState
 from django.utils import timezone
@@ -460,11 +460,11 @@ def lock_lease_for_ack(*, offer_id: str, session_pk: int) -> LeaseChain | None:
     return LeaseChain(run=run, attempt=attempt, session=session, lease=lease, now=now)
 
 
-def _read_part(part: ModelColumns[Any], values: Sequence[Any]) -> Any:
+def _read_part(part: ModelColumns[Any], values: Sequence[Any], db: Any) -> Any:
     """`part.load(values)` without `Model.__init__` (`_read`): the same
     converted values, every column not read deferred (issue 12: three to
-    five rows per ACK of a batch)."""
-    converted = part.convert(values)
+    five rows per ACK of a batch); `db` the default database's wrapper."""
+    converted = part.convert(values, db)
     return _read(part.model, dict(zip(part.attnames, converted, strict=True)))
 
 
@@ -561,6 +561,7 @@ def lock_leases_for_acks(*, offer_ids: Sequence[str], session_pk: int) -> dict[s
     chains: dict[str, LeaseChain] = {}
     # One instance per revision (immutable) and for the one Session: read once.
     shared: dict[tuple[str, Any], Any] = {}
+    db = connections[DEFAULT_DB_ALIAS]  # looked up once, not once per row
     for row in rows:
         loaded = []
         offset = 0
@@ -570,10 +571,10 @@ def lock_leases_for_acks(*, offer_ids: Sequence[str], session_pk: int) -> dict[s
             if part in _ACK_SHARED:
                 key = (part.alias, values[0])  # the primary key comes first
                 if key not in shared:
-                    shared[key] = _read_part(part, values)
+                    shared[key] = _read_part(part, values, db)
                 loaded.append(shared[key])
             else:
-                loaded.append(_read_part(part, values))
+                loaded.append(_read_part(part, values, db))
         run, revision, attempt, session, lease = loaded
         assert isinstance(run, Run) and isinstance(revision, TaskRevision)
         assert isinstance(attempt, Attempt) and isinstance(session, WorkerSession)
@@ -794,7 +795,8 @@ def _read(model: type[_M], values: dict[str, Any]) -> _M:
     """
     instance = model.__new__(model)
     state = ModelState()
-    state.adding, state.db = False, connection.alias
+    # The `connection` proxy's alias, without a thread-local lookup per row.
+    state.adding, state.db = False, DEFAULT_DB_ALIAS
     instance._state = state
     instance.__dict__.update(values)
     return instance

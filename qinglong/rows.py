@@ -85,15 +85,16 @@ class ModelColumns(Generic[M]):
         db = connections[DEFAULT_DB_ALIAS]
         return self.model.from_db(db.alias, self._attnames, self.convert(values))
 
-    def convert(self, values: Sequence[Any]) -> list[Any]:
+    def convert(self, values: Sequence[Any], db: Any = None) -> list[Any]:
         """This model's slice of a row as `load` hands it to the model: each
-        value through its column's converters (same order as `select`)."""
+        value through its column's converters (same order as `select`); `db`
+        the default database's wrapper when the caller has it at hand."""
         if len(values) != len(self._attnames):
             raise ValueError(f"{len(values)} values for {len(self._attnames)} columns")
         # The default database's wrapper itself, looked up once: every attribute
         # read through the `connection` proxy is a thread-local lookup of its
         # own (issue #12: the Session lookup of every Worker request loads two).
-        db = connections[DEFAULT_DB_ALIAS]
+        db = db or connections[DEFAULT_DB_ALIAS]
         converted = list(values)
         for position, column, converters in self._converters_now(db):
             value = converted[position]
