@@ -37,14 +37,17 @@ from django.utils import timezone
 
 from dispatch.adapters.orm import (
     RecoveryFirstPage,
+    fair_rotation,
     orm_ports,
     recovery_page_from,
     recovery_parts,
     recovery_width,
     session_scope_record,
 )
+from dispatch.adapters.queue import FirstWalk, walk_params, walk_sql
 from dispatch.core.budget import DispatchBudget
 from dispatch.core.cycle import dispatch_once
+from dispatch.core.fairness import WALK_CAP
 from dispatch.core.offer import ClaimedExecutionOffer, OfferSource
 from dispatch.core.ports import DispatchScope, PullCredential, Scope, WorkerRecord
 from dispatch.core.result import CycleStatus, DispatchCycleResult
@@ -164,24 +167,32 @@ def _paused_and_clock() -> tuple[bool, datetime | None]:
 @dataclass(frozen=True)
 class GlobalStart:
     """What a global cycle reads first, in one statement (issue #12): the kill
-    switch, the clock (`observed_at`) and the first recovery page at that clock."""
+    switch, the clock (`observed_at`), the first recovery page at that clock
+    and, when that page is empty, the first walk of the candidate read with
+    the Worker rows ahead (`walk`; None: not read)."""
 
     observed_at: datetime
     paused: bool
     recovery: RecoveryFirstPage
+    walk: FirstWalk | None = None
 
 
 _GLOBAL_START_SQL: dict[str, str] = {}
 
 
-def global_start(budget: DispatchBudget) -> GlobalStart | None:
-    """The kill switch, the clock and the first global recovery page (PostgreSQL;
-    None: read them the long way).
+def global_start(budget: DispatchBudget, *, workers_ahead: int = 0) -> GlobalStart | None:
+    """The kill switch, the clock, the first global recovery page and the first
+    walk (PostgreSQL; None: read them the long way).
 
     The same recovery page `OrmLeaseRecoverySource` reads (its SQL,
     `recovery_parts`) at the statement's own clock, which is the cycle's
     `observed_at`; the cycle's first recovery read is then served from it.
-    One round trip instead of two. Paused, the statement reads no lease.
+    Paused, the statement reads no lease. Neither paused nor with a lease to
+    re-deliver (then the cycle claims nothing new), it also walks the queue
+    groups from this process's turn (`fair_rotation`) as the cycle's first
+    candidate page would, at that clock, with `workers_ahead` Worker rows
+    (`dispatch.adapters.queue.walk_sql`): the walk is then served from it.
+    One round trip instead of three.
     """
     if connection.vendor != "postgresql":
         return None
@@ -191,23 +202,38 @@ def global_start(budget: DispatchBudget) -> GlobalStart | None:
         width = recovery_width()
         names = ", ".join(f"c{i}" for i in range(width))
         table = connection.ops.quote_name(DispatchControl._meta.db_table)
+        walk_ctes, walk_body, _ = walk_sql(DispatchScope.global_(), workers_ahead=True, clock=True)
+        walked = ", ".join(f"wr.{name}" for name in _WALK_COLUMNS[:-2])
         sql = _GLOBAL_START_SQL[connection.vendor] = (
-            f"WITH h AS (SELECT statement_timestamp() AS now, "  # noqa: S608  (names from model metadata; values are parameters)
+            f"WITH RECURSIVE h AS (SELECT statement_timestamp() AS now, "  # noqa: S608  (names from model metadata; values are parameters)
             f"COALESCE((SELECT c.paused FROM {table} c WHERE c.id = %s), false) AS paused), "
             # Paused: the one-time filter runs before the page, which is not read.
-            f"{leases}, x({names}) AS (SELECT * FROM ({rows}) y WHERE NOT (SELECT paused FROM h)) "
-            "SELECT h.now, h.paused, x.* FROM h LEFT JOIN x ON true ORDER BY x.c0"
+            f"{leases}, x({names}) AS (SELECT * FROM ({rows}) y WHERE NOT (SELECT paused FROM h)), "
+            f"{walk_ctes} "
+            "SELECT h.now, h.paused, CASE WHEN h.paused OR EXISTS (SELECT 1 FROM x) THEN NULL "
+            f"ELSE (SELECT COALESCE(json_agg(json_build_array({walked}) "
+            f"ORDER BY wr.part, wr.n), '[]') FROM ({walk_body}) "
+            f"AS wr({', '.join(_WALK_COLUMNS)})) END, "
+            "x.* FROM h LEFT JOIN x ON true ORDER BY x.c0"
         )
     backoff = timedelta(seconds=budget.redelivery_backoff_s)
     limit = budget.recovery_page_size
+    walk_from = fair_rotation.start()
+    params = [_CONTROL_PK, budget.max_deliveries, backoff, False, limit + 1]
+    params += walk_params(
+        walk_from,
+        WALK_CAP,
+        DispatchScope.global_(),
+        workers_ahead=workers_ahead,
+        workers_column=True,
+    )
     with prepared_cursor() as cursor:
-        cursor.execute(
-            sql, int8_params([_CONTROL_PK, budget.max_deliveries, backoff, False, limit + 1])
-        )
+        cursor.execute(sql, int8_params(params))
         rows_read = cursor.fetchall()
     now: datetime = rows_read[0][0]
     observed_at = now.astimezone(UTC)
-    found = [row[2:] for row in rows_read if row[2] is not None]
+    found = [row[3:] for row in rows_read if row[3] is not None]
+    walked_rows = rows_read[0][2]
     return GlobalStart(
         observed_at=observed_at,
         paused=bool(rows_read[0][1]),
@@ -218,7 +244,22 @@ def global_start(budget: DispatchBudget) -> GlobalStart | None:
             limit=limit,
             page=recovery_page_from(found, limit),
         ),
+        walk=(
+            None
+            if walked_rows is None
+            else FirstWalk(
+                start=walk_from,
+                cap=WALK_CAP,
+                workers_ahead=workers_ahead,
+                rows=tuple(tuple(row) for row in walked_rows),
+            )
+        ),
     )
+
+
+# The columns of the walk read with the global start (`walk_sql` with `clock`):
+# its ten, the Worker rows ahead, and the row's place.
+_WALK_COLUMNS = (*(f"w{i}" for i in range(11)), "part", "n")
 
 
 @dataclass(frozen=True)
@@ -594,7 +635,12 @@ def dispatch_cycle(
         if scope.kind is Scope.SESSION
         else None
     )
-    start = global_start(budget) if scope.kind is Scope.GLOBAL else None
+    # Global scope: the snapshot's pages and the row saying whether more
+    # follow, read with the first walk (one statement fewer per claiming cycle).
+    ahead = (
+        budget.worker_page_size * budget.worker_max_pages + 1 if scope.kind is Scope.GLOBAL else 0
+    )
+    start = global_start(budget, workers_ahead=ahead) if scope.kind is Scope.GLOBAL else None
     observed_at: datetime | None
     if snapshot is not None:
         is_paused, observed_at = snapshot.paused, snapshot.observed_at
@@ -625,13 +671,8 @@ def dispatch_cycle(
             session_page=None if snapshot is None else snapshot.session_page,
             worker_pages=budget.worker_max_pages if scope.kind is Scope.GLOBAL else 1,
             recovery_first_page=None if start is None else start.recovery,
-            # The snapshot's pages and the row saying whether more follow,
-            # read by the first walk (one statement fewer per claiming cycle).
-            workers_ahead=(
-                budget.worker_page_size * budget.worker_max_pages + 1
-                if scope.kind is Scope.GLOBAL
-                else 0
-            ),
+            workers_ahead=ahead,
+            first_walk=None if start is None else start.walk,
         ),
         secret=str(settings.QINGLONG_LEASE_SECRET).encode(),
         pull=pull,

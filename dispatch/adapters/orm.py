@@ -28,7 +28,7 @@ from django.db import connection
 from django.db.models import Count, IntegerField, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
-from dispatch.adapters.queue import OrmQueueReader, active_leases_by_session_sql
+from dispatch.adapters.queue import FirstWalk, OrmQueueReader, active_leases_by_session_sql
 from dispatch.core.budget import HARD_CAPS
 from dispatch.core.errors import SpecError
 from dispatch.core.fairness import Rotation, fair_page
@@ -407,6 +407,8 @@ class CycleMemo:
     # ahead (0: none), and those rows until the Worker source takes them.
     workers_ahead: int = 0
     worker_rows: list[Sequence[Any]] | None = None
+    # The cycle's first walk, read with its first statement (global scope).
+    first_walk: FirstWalk | None = None
 
 
 @dataclass(frozen=True)
@@ -511,7 +513,12 @@ class OrmCandidateSource:
         _check_limit(limit)
         memo = self.memo
         ahead = 0 if memo is None or cursor is not None else memo.workers_ahead
-        reader = OrmQueueReader(observed_at=observed_at, scope=scope, workers_ahead=ahead)
+        first_walk = None
+        if memo is not None and cursor is None:
+            first_walk, memo.first_walk = memo.first_walk, None
+        reader = OrmQueueReader(
+            observed_at=observed_at, scope=scope, workers_ahead=ahead, first_walk=first_walk
+        )
         rotation = fair_rotation if memo is None else memo.rotation
         page = fair_page(reader, cursor=cursor, limit=limit, rotation=rotation)
         if memo is not None:
@@ -880,6 +887,7 @@ def orm_ports(
     worker_pages: int = 1,
     recovery_first_page: RecoveryFirstPage | None = None,
     workers_ahead: int = 0,
+    first_walk: FirstWalk | None = None,
 ) -> DispatchPorts:
     """The production wiring of one cycle: ORM sources sharing one `CycleMemo`,
     the one claim path, the database clock (or `clock`, already read).
@@ -891,9 +899,11 @@ def orm_ports(
     `observed_at` (`OrmLeaseRecoverySource`, `OrmWorkerSnapshotSource`).
     `workers_ahead` (global scope): the cycle's first walk also reads that
     many rows of the Worker snapshot — its pages' rows and one more — which
-    its first Worker page then serves (`dispatch.adapters.queue`).
+    its first Worker page then serves (`dispatch.adapters.queue`);
+    `first_walk`: that walk, already read with the cycle's first statement
+    (`dispatch.cycles.global_start`), served to its first candidate page.
     """
-    memo = CycleMemo(workers_ahead=workers_ahead)
+    memo = CycleMemo(workers_ahead=workers_ahead, first_walk=first_walk)
     return DispatchPorts(
         recovery=OrmLeaseRecoverySource(
             known_empty=recovery_known_empty, first_page=recovery_first_page

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -46,12 +47,15 @@ from workers.models import SessionState, Worker, WorkerAdminState, WorkerSession
 
 __all__ = [
     "WORKER_AHEAD_COLUMNS",
+    "FirstWalk",
     "OrmQueueReader",
     "active_leases_by_session_sql",
     "placement_matches",
     "project_busy_sql",
     "servable_sessions_cte",
     "task_busy_sql",
+    "walk_params",
+    "walk_sql",
 ]
 
 # Sorts after every revision id of a Project (a walk start "after the Project").
@@ -173,25 +177,25 @@ def placement_matches(session: str, revision: str) -> str:
     )
 
 
-def _busy_sql(column: str, owner: str) -> str:
+def _busy_sql(column: str, owner: str, now: str) -> str:
     return (
         f"(SELECT count(*) FROM {_t(Run)} rr JOIN {_t(RunLease)} l ON l.run_id = rr.id "  # noqa: S608  (table names from model metadata)
         f"WHERE rr.{column} = {owner} "
         f"AND rr.state IN ({state_literal(RunState.DISPATCHING)}, "
         f"{state_literal(RunState.RUNNING)}) "
-        f"AND l.state = {state_literal(LeaseState.ACTIVE)} AND l.expires_at > %s)"
+        f"AND l.state = {state_literal(LeaseState.ACTIVE)} AND l.expires_at > {now})"
     )
 
 
-def project_busy_sql(owner: str) -> str:
+def project_busy_sql(owner: str, *, now: str = "%s") -> str:
     """SQL counting the live leases of Project `owner`'s Runs (`leases.quota`);
-    parameters: `busy_params(now)`."""
-    return _busy_sql("project_id", owner)
+    parameters: `busy_params(now)` (none when `now` is an SQL expression)."""
+    return _busy_sql("project_id", owner, now)
 
 
-def task_busy_sql(owner: str) -> str:
+def task_busy_sql(owner: str, *, now: str = "%s") -> str:
     """SQL counting the live leases of Task `owner`'s Runs (`leases.quota`)."""
-    return _busy_sql("task_id", owner)
+    return _busy_sql("task_id", owner, now)
 
 
 def busy_params(now: datetime) -> list[Any]:
@@ -249,6 +253,136 @@ def _workers_ahead_sql() -> str:
     )
 
 
+@dataclass(frozen=True)
+class FirstWalk:
+    """A cycle's first walk read ahead (`dispatch.cycles.global_start`): the
+    rows `OrmQueueReader.walk` reads for `start` and `cap` (global scope, the
+    Worker rows ahead on the first when `workers_ahead`), at the cycle's clock."""
+
+    start: WalkStart | None
+    cap: int
+    workers_ahead: int
+    rows: tuple[Sequence[Any], ...]
+
+
+def _walk_start(start: WalkStart | None) -> tuple[int, int]:
+    if start is None:
+        return _BEFORE_ALL, _BEFORE_ALL
+    if not start[0].isdigit() or not (start[1] is None or start[1].isdigit()):
+        raise ValueError("not a cursor of this source")
+    return int(start[0]), _AFTER_ALL if start[1] is None else int(start[1])
+
+
+def walk_params(
+    start: WalkStart | None,
+    cap: int,
+    scope: DispatchScope | None,
+    *,
+    workers_ahead: int,
+    now: datetime | None = None,
+    workers_column: bool | None = None,
+) -> list[Any]:
+    """The parameters of `walk_sql`'s text, in order: a Session scope's, the
+    start and the cap, the busy counts' clock (`now`; none for the text with
+    `clock`), the Worker rows' limit (global scope with `workers_ahead`, or
+    `workers_column`: a text with the Worker rows, even to read none), the cap."""
+    sp, sg = _walk_start(start)
+    limit = cap + 1
+    params: list[Any] = []
+    if scope is not None and scope.session is not None:
+        params += servable_sessions_cte(scope)[1]
+    params += [sp, sg, limit, sp, sg, limit, sp, sg]
+    if scope is not None and now is not None:
+        params += [*busy_params(now), *busy_params(now)]
+    if workers_column is None:
+        workers_column = bool(workers_ahead) and scope is not None and scope.session is None
+    if workers_column:
+        params.append(workers_ahead)
+    params.append(limit)
+    return params
+
+
+def walk_sql(
+    scope: DispatchScope | None, *, workers_ahead: bool, clock: bool
+) -> tuple[str, str, str]:
+    """The walk's CTEs (after `WITH RECURSIVE`), its SELECT and the whole
+    statement, written once per database and shape. `workers_ahead` (global scope): the Worker
+    rows on the first row; `clock`: the busy counts at `statement_timestamp()`
+    instead of a parameter."""
+    kind = "none" if scope is None else "global" if scope.session is None else "session"
+    ahead = workers_ahead and kind == "global"
+    # A Session's scope: its servable Sessions' text (one that names no valid
+    # Session matches none and takes no parameters).
+    servable = servable_sessions_cte(scope)[0] if scope is not None and kind == "session" else ""
+    key = (connection.vendor, kind, ahead, clock, servable)
+    found = _WALK_SQL.get(key)
+    if found is not None:
+        return found
+    run = _t(Run)
+    successor = (
+        f"SELECT r2.id FROM {run} r2 WHERE r2.state = {state_literal(RunState.QUEUED)} "  # noqa: S608  (table names from model metadata)
+        "AND (r2.project_id, r2.task_revision_id) > (w.project_id, w.revision_id) "
+        "ORDER BY r2.project_id, r2.task_revision_id LIMIT 1"
+    )
+    first = (
+        f"SELECT r.project_id, r.task_revision_id FROM {run} r "  # noqa: S608  (table names from model metadata)
+        f"WHERE r.state = {state_literal(RunState.QUEUED)} "
+        "{extra} ORDER BY r.project_id, r.task_revision_id LIMIT 1"
+    )
+    ctes = (
+        "after_walk(project_id, revision_id, n) AS ("  # noqa: S608
+        "SELECT project_id, task_revision_id, 1 FROM ("
+        + first.format(extra="AND (r.project_id, r.task_revision_id) > (%s, %s)")
+        + ") a0 UNION ALL "  # noqa: S608
+        f"SELECT r.project_id, r.task_revision_id, w.n + 1 FROM after_walk w "
+        f"JOIN {run} r ON r.id = ({successor}) WHERE w.n < %s), "
+        "before_walk(project_id, revision_id, n) AS ("
+        "SELECT project_id, task_revision_id, 1 FROM ("
+        + first.format(extra="")
+        + ") b0 WHERE (project_id, task_revision_id) <= (%s, %s) UNION ALL "  # noqa: S608
+        f"SELECT r.project_id, r.task_revision_id, w.n + 1 FROM before_walk w "
+        f"JOIN {run} r ON r.id = ({successor}) "
+        "WHERE w.n < %s AND (r.project_id, r.task_revision_id) <= (%s, %s)), "
+        "walked AS (SELECT 0 AS part, n, project_id, revision_id FROM after_walk "
+        "UNION ALL SELECT 1, n, project_id, revision_id FROM before_walk)"
+    )
+    workers = ""
+    if scope is None:
+        flags = "0, 0, 1"
+    else:
+        if ahead:
+            # The global Sessions, their active leases counted once for
+            # both the servable ones and the Worker rows read ahead.
+            ctes = f"{_global_sessions_ctes()}, " + ctes
+            workers = f", {_workers_ahead_sql()}"
+        else:
+            servable_sql = servable or servable_sessions_cte(scope)[0]
+            ctes = f"servable AS MATERIALIZED ({servable_sql}), " + ctes
+        now = "statement_timestamp()" if clock else "%s"
+        project_busy = project_busy_sql("p.id", now=now)
+        task_busy = task_busy_sql("v.task_id", now=now)
+        flags = (
+            f"CASE WHEN p.max_concurrent_runs = 0 THEN 0 ELSE {project_busy} END, "  # noqa: S608
+            f"CASE WHEN v.max_concurrent_runs = 0 THEN 0 ELSE {task_busy} END, "
+            f"CASE WHEN EXISTS (SELECT 1 FROM servable f WHERE {placement_matches('f', 'v')}) "
+            "THEN 1 ELSE 0 END"
+        )
+    # Read inside another statement (`clock`), each row also says its place.
+    place = ", wk.part, wk.n" if clock else ""
+    body = (
+        "SELECT wk.project_id, wk.revision_id, v.task_id, v.revision, v.executor_type, "  # noqa: S608  (table names from model metadata)
+        f"p.max_concurrent_runs, v.max_concurrent_runs, {flags}{workers}{place} "
+        f"FROM walked wk JOIN {_t(Project)} p ON p.id = wk.project_id "
+        f"JOIN {_t(TaskRevision)} v ON v.id = wk.revision_id "
+        "ORDER BY wk.part, wk.n LIMIT %s"
+    )
+    found = _WALK_SQL[key] = (ctes, body, f"WITH RECURSIVE {ctes} {body}")
+    return found
+
+
+_WALK_SQL: dict[tuple[str, str, bool, bool, str], tuple[str, str, str]] = {}
+
+
 # ------------------------------------------------------------------ the reader
 
 
@@ -256,7 +390,12 @@ class OrmQueueReader:
     """`dispatch.core.fairness.QueueReader` over the database (module docstring)."""
 
     def __init__(
-        self, *, observed_at: datetime, scope: DispatchScope | None, workers_ahead: int = 0
+        self,
+        *,
+        observed_at: datetime,
+        scope: DispatchScope | None,
+        workers_ahead: int = 0,
+        first_walk: FirstWalk | None = None,
     ) -> None:
         self.observed_at = observed_at
         self.scope = scope
@@ -268,98 +407,40 @@ class OrmQueueReader:
         # `workers_ahead` rows of the global Worker snapshot (`worker_rows`).
         self.workers_ahead = workers_ahead
         self.worker_rows: list[Sequence[Any]] | None = None
+        # The first walk, already read (`FirstWalk`): served once if asked for.
+        self.first_walk = first_walk
 
     def revision_pk(self, candidate: Candidate) -> str:
         """The pinned revision's primary key of a candidate this reader returned."""
         return self._group_of[candidate.attempt_id]
 
     def walk(self, *, start: WalkStart | None, cap: int) -> tuple[list[QueueGroup], bool]:
-        if start is None:
-            sp, sg = _BEFORE_ALL, _BEFORE_ALL
+        first, self.first_walk = self.first_walk, None
+        if first is not None and (first.start, first.cap) == (start, cap):
+            # Read with the cycle's first statement (`dispatch.cycles.global_start`),
+            # at this `observed_at`, with the Worker rows ahead (when asked for).
+            rows: list[Sequence[Any]] = list(first.rows)
+            workers = True
+            self.workers_ahead = first.workers_ahead
         else:
-            if not start[0].isdigit() or not (start[1] is None or start[1].isdigit()):
-                raise ValueError("not a cursor of this source")
-            sp = int(start[0])
-            sg = _AFTER_ALL if start[1] is None else int(start[1])
-        run = _t(Run)
-        successor = (
-            f"SELECT r2.id FROM {run} r2 WHERE r2.state = {state_literal(RunState.QUEUED)} "  # noqa: S608  (table names from model metadata)
-            "AND (r2.project_id, r2.task_revision_id) > (w.project_id, w.revision_id) "
-            "ORDER BY r2.project_id, r2.task_revision_id LIMIT 1"
-        )
-        first = (
-            f"SELECT r.project_id, r.task_revision_id FROM {run} r "  # noqa: S608  (table names from model metadata)
-            f"WHERE r.state = {state_literal(RunState.QUEUED)} "
-            "{extra} ORDER BY r.project_id, r.task_revision_id LIMIT 1"
-        )
-        walk_sql = (
-            "after_walk(project_id, revision_id, n) AS ("  # noqa: S608
-            "SELECT project_id, task_revision_id, 1 FROM ("
-            + first.format(extra="AND (r.project_id, r.task_revision_id) > (%s, %s)")
-            + ") a0 UNION ALL "  # noqa: S608
-            f"SELECT r.project_id, r.task_revision_id, w.n + 1 FROM after_walk w "
-            f"JOIN {run} r ON r.id = ({successor}) WHERE w.n < %s), "
-            "before_walk(project_id, revision_id, n) AS ("
-            "SELECT project_id, task_revision_id, 1 FROM ("
-            + first.format(extra="")
-            + ") b0 WHERE (project_id, task_revision_id) <= (%s, %s) UNION ALL "  # noqa: S608
-            f"SELECT r.project_id, r.task_revision_id, w.n + 1 FROM before_walk w "
-            f"JOIN {run} r ON r.id = ({successor}) "
-            "WHERE w.n < %s AND (r.project_id, r.task_revision_id) <= (%s, %s)), "
-            "walked AS (SELECT 0 AS part, n, project_id, revision_id FROM after_walk "
-            "UNION ALL SELECT 1, n, project_id, revision_id FROM before_walk)"
-        )
-        limit = cap + 1
-        params: list[Any] = [sp, sg, limit, sp, sg, limit, sp, sg]
-        ctes = walk_sql
-        workers = ""
-        ahead = self._workers_ahead()
-        if self.scope is None:
-            flags = "0, 0, 1"
-        else:
-            if ahead:
-                # The global Sessions, their active leases counted once for
-                # both the servable ones and the Worker rows read ahead.
-                ctes = f"{_global_sessions_ctes()}, " + walk_sql
-                workers = f", {_workers_ahead_sql()}"
-            else:
-                servable_sql, servable_params = servable_sessions_cte(self.scope)
-                ctes = f"servable AS MATERIALIZED ({servable_sql}), " + walk_sql
-                params = servable_params + params
-            project_busy, task_busy = project_busy_sql("p.id"), task_busy_sql("v.task_id")
-            flags = (
-                f"CASE WHEN p.max_concurrent_runs = 0 THEN 0 ELSE {project_busy} END, "  # noqa: S608
-                f"CASE WHEN v.max_concurrent_runs = 0 THEN 0 ELSE {task_busy} END, "
-                f"CASE WHEN EXISTS (SELECT 1 FROM servable f WHERE {placement_matches('f', 'v')}) "
-                "THEN 1 ELSE 0 END"
-            )
-        sql = (
-            f"WITH RECURSIVE {ctes} "  # noqa: S608  (table names from model metadata)
-            "SELECT wk.project_id, wk.revision_id, v.task_id, v.revision, v.executor_type, "
-            f"p.max_concurrent_runs, v.max_concurrent_runs, {flags}{workers} "
-            f"FROM walked wk JOIN {_t(Project)} p ON p.id = wk.project_id "
-            f"JOIN {_t(TaskRevision)} v ON v.id = wk.revision_id "
-            "ORDER BY wk.part, wk.n LIMIT %s"
-        )
-        if self.scope is not None:
-            now = self.observed_at
-            params += [*busy_params(now), *busy_params(now)]
+            scope = self.scope
+            ahead = self._workers_ahead()
+            *_, text = walk_sql(scope, workers_ahead=ahead > 0, clock=False)
+            params = walk_params(start, cap, scope, workers_ahead=ahead, now=self.observed_at)
+            # Every cycle walks: PostgreSQL plans the walk once per connection and
+            # scope kind (qinglong.prepared). Its states are literals in the text,
+            # so the generic plan keeps the partial indexes on queued Runs and
+            # active leases.
+            with prepared_cursor() as cursor:
+                cursor.execute(text, int8_params(params))
+                rows = cursor.fetchall()
+            workers = ahead > 0
         if workers:
-            params.append(ahead)
-        params.append(limit)
-        # Every cycle walks: PostgreSQL plans the walk once per connection and
-        # scope kind (qinglong.prepared). Its states are literals in the text,
-        # so the generic plan keeps the partial indexes on queued Runs and
-        # active leases.
-        with prepared_cursor() as cursor:
-            cursor.execute(sql, int8_params(params))
-            rows = cursor.fetchall()
-        if workers:
-            self.workers_ahead = 0  # read once per reader
             # On the walk's first row only, and only when a Session could be
             # served (otherwise no candidate, so no Worker snapshot, follows).
-            found = rows[0][-1] if rows else None
+            found = rows[0][-1] if rows and self.workers_ahead else None
             self.worker_rows = None if found is None else list(found)
+            self.workers_ahead = 0  # read once per reader
             rows = [row[:-1] for row in rows]
         groups: list[QueueGroup] = []
         for row in rows[:cap]:
@@ -391,6 +472,7 @@ class OrmQueueReader:
         return groups, len(rows) > cap
 
     def _workers_ahead(self) -> int:
+        # Its Worker rows go with the walk only once per reader.
         scope = self.scope
         if (
             not self.workers_ahead

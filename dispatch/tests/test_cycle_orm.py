@@ -72,7 +72,7 @@ def read_from(queries: CaptureQueriesContext, table: str) -> list[str]:
 
 
 # The recovery read, alone or with a global cycle's clock (dispatch.cycles.global_start).
-_RECOVERY_READS = ("WITH l AS", "WITH h AS")
+_RECOVERY_READS = ("WITH l AS", "WITH RECURSIVE h AS")
 
 
 class ListHandler(logging.Handler):
@@ -274,7 +274,7 @@ def test_paused_dispatch_reads_nothing_and_records_a_paused_cycle() -> None:
         # The first statement reads the kill switch, the clock and the first
         # recovery page at once; paused, its one-time filter reads no lease.
         start = statements.pop(0)
-        assert start.startswith("WITH h AS")
+        assert start.startswith("WITH RECURSIVE h AS")
         with connection.cursor() as cursor:
             cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {start}")
             plan = cursor.fetchone()[0][0]["Plan"]

@@ -19,12 +19,15 @@ from django.test.utils import CaptureQueriesContext, override_settings
 from dispatch.adapters.orm import (
     OrmLeaseRecoverySource,
     OrmWorkerSnapshotSource,
+    fair_rotation,
     recovery_parts,
 )
+from dispatch.adapters.queue import OrmQueueReader
 from dispatch.core.budget import DispatchBudget
+from dispatch.core.fairness import WALK_CAP
 from dispatch.core.ports import DispatchScope, Page, WorkerRecord
 from dispatch.core.result import CycleStatus
-from dispatch.cycles import dispatch_budget, dispatch_cycle, global_start
+from dispatch.cycles import dispatch_budget, dispatch_cycle, dispatch_set_paused, global_start
 from leases.models import RunLease
 from qinglong import testing
 from qinglong.clock import db_now
@@ -155,7 +158,7 @@ def test_global_start_serves_the_cycles_first_recovery_page() -> None:
     assert result.counts.recovered == 3
     assert result.status is CycleStatus.OFFERED
     statements = [q["sql"] for q in queries.captured_queries]
-    assert statements[0].startswith("WITH h AS")
+    assert statements[0].startswith("WITH RECURSIVE h AS")
     # No other read of the recovery page, nor of the clock.
     assert not [sql for sql in statements if sql.startswith("WITH l AS")]
     assert not [sql for sql in statements if "statement_timestamp()" in sql][1:]
@@ -240,3 +243,69 @@ def test_the_recovery_read_meets_each_lease_a_bounded_number_of_times_under_old_
     # database's, as the other tests expect them.
     # Each node meets each lease once at most; never leases x Runs.
     assert _most_rows_met(plan) <= 60, json.dumps(plan)
+
+
+@postgres_only
+def test_global_start_walks_as_the_cycles_first_candidate_page_would() -> None:
+    # Issue #12: the first walk (with the Worker rows ahead) is read with the
+    # kill switch, the clock and the recovery page: the same groups, rooms and
+    # Worker rows as the walk read alone at that clock, from this process's turn.
+    for project in range(3):
+        task = testing.make_task(testing.make_project(f"start-{project}"))
+        for _ in range(4):
+            testing.make_run(task)
+    _sessions(2, slots=8)
+    with budget(redelivery_backoff_s=3600):
+        dispatch_cycle(scope=GLOBAL)  # a turn taken, leases in flight, none due
+        start = global_start(dispatch_budget(), workers_ahead=9)
+    assert start is not None and start.walk is not None
+    assert start.walk.start == fair_rotation.start() is not None
+    served = OrmQueueReader(
+        observed_at=start.observed_at, scope=GLOBAL, workers_ahead=9, first_walk=start.walk
+    )
+    alone = OrmQueueReader(observed_at=start.observed_at, scope=GLOBAL, workers_ahead=9)
+    with CaptureQueriesContext(connection) as queries:
+        walked = served.walk(start=start.walk.start, cap=WALK_CAP)
+    assert queries.captured_queries == []
+    groups, more = walked
+    assert len(groups) == 3 and not more
+    assert walked == alone.walk(start=start.walk.start, cap=WALK_CAP)
+    assert served.worker_rows == alone.worker_rows is not None
+    # Asked for another start, it reads (once: the walk read ahead is spent).
+    other = OrmQueueReader(observed_at=start.observed_at, scope=GLOBAL, first_walk=start.walk)
+    with CaptureQueriesContext(connection) as queries:
+        other.walk(start=None, cap=WALK_CAP)
+    assert len(queries.captured_queries) == 1
+
+
+@postgres_only
+def test_global_start_walks_only_when_the_cycle_may_claim() -> None:
+    _claim(2)
+    with budget(redelivery_backoff_s=0):  # both leases are due: re-delivered, no claim
+        start = global_start(dispatch_budget(), workers_ahead=9)
+    assert start is not None and len(start.recovery.page.items) == 2
+    assert start.walk is None
+    dispatch_set_paused(paused=True)
+    start = global_start(dispatch_budget(), workers_ahead=9)
+    assert start is not None and start.paused and start.walk is None
+    dispatch_set_paused(paused=False)
+
+
+@postgres_only
+def test_a_claiming_global_cycle_is_four_statements_and_its_transaction() -> None:
+    task = testing.make_task()
+    for _ in range(20):
+        testing.make_run(task)
+    _sessions(2, slots=16)
+    with budget(redelivery_backoff_s=3600):
+        # The first reads the revision and writes its outcome's row.
+        assert dispatch_cycle(scope=GLOBAL).counts.claims_won == 8
+        with CaptureQueriesContext(connection) as queries:
+            result = dispatch_cycle(scope=GLOBAL)
+    assert result.counts.claims_won == 8
+    statements = [q["sql"] for q in queries.captured_queries]
+    # The start (kill switch, clock, recovery, walk, Worker rows), the rows,
+    # BEGIN, the page's locks, its writes, COMMIT.
+    assert len(statements) == 6, statements
+    assert statements[0].startswith("WITH RECURSIVE h AS")
+    assert "FOR UPDATE OF r, a" in statements[3] and "guard AS (SELECT" in statements[4]

@@ -112,7 +112,7 @@ def test_a_global_cycle_prepares_its_recovery_and_worker_reads() -> None:
         assert dispatch_cycle(scope=DispatchScope.global_()).counts.claims_won == 8
     # The first recovery page is read with the clock (dispatch.cycles.global_start),
     # the Worker pages by the first walk (no statement of their own).
-    recovery = _prepared("WITH h AS %l AS MATERIALIZED%")
+    recovery = _prepared("WITH RECURSIVE h AS %l AS MATERIALIZED%")
     walks = _prepared("%sess AS MATERIALIZED%after_walk%")
     assert [runs for _, g, c in recovery for runs in (g + c,)] == [3]
     assert [g + c for _, g, c in walks] == [3]
