@@ -47,19 +47,14 @@ def _lease_rows_read(plan: dict[str, Any]) -> int:
     return seen
 
 
-def test_the_batch_lock_reads_the_leases_by_offer_id_under_statistics_older_than_the_leases() -> (
-    None
-):
-    # Analysed while the Session had no lease (a fresh database; the e2e
-    # bench's ANALYZE before its drain), a generic plan found a batch's leases
-    # through `runlease_pull` by Session: every lease the Session ever had,
-    # read again on every batch, more with every Run it ran.
-    session = testing.open_session(testing.make_worker(slots=4)[0]).session
-    pairs = _leased(session, 2)
+def _with_history(session: WorkerSession, count: int) -> list[tuple[RunLease, str]]:
+    """`count` live leases of `session` and its history, 3,000 ended leases (of
+    one Attempt, lease generations past the live one's), none of which the
+    statistics know of: the lease table is analysed before, still empty."""
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE dispatch_runlease")
-        # Then the Session's history: 3,000 ended leases (of one Attempt,
-        # lease generations past the live one's), none read by the batch.
+    pairs = _leased(session, count)
+    with connection.cursor() as cursor:
         columns = [f.column for f in RunLease._meta.concrete_fields if not f.primary_key]
         made = {"offer_id": "'past-' || g", "lease_generation": "100 + g", "state": "'released'"}
         cursor.execute(
@@ -68,6 +63,18 @@ def test_the_batch_lock_reads_the_leases_by_offer_id_under_statistics_older_than
             "FROM dispatch_runlease, generate_series(1, 3000) AS g WHERE id = %s",
             [pairs[0][0].pk],
         )
+    return pairs
+
+
+def test_the_batch_lock_reads_the_leases_by_offer_id_under_statistics_older_than_the_leases() -> (
+    None
+):
+    # Analysed while the Session had no lease (a fresh database; the e2e
+    # bench's ANALYZE before its drain), a generic plan found a batch's leases
+    # through `runlease_pull` by Session: every lease the Session ever had,
+    # read again on every batch, more with every Run it ran.
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    pairs = _with_history(session, 2)
     offer_ids = sorted(lease.offer_id for lease, _ in pairs)
     placeholders = iter(range(1, 100))
     text = re.sub("%s", lambda _: f"${next(placeholders)}", _acks_sql())
