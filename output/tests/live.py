@@ -1,14 +1,16 @@
 """One request at a time on the live server, for tests with a real agent beside a browser.
 
-With the in-memory SQLite test database, Django's live server hands every
-request thread the test thread's own connection (the only way they can see
-one in-memory database). Concurrent requests then share one connection and
+With Django's in-memory SQLite test database, the live server handed every
+request thread the test thread's own connection (the only way they could see
+one in-memory database). Concurrent requests then shared one connection and
 its transaction state: a page view inside an ACK's transaction, a 503
-"database unavailable" when SQLite's shared cache reports a table locked. A
-real agent (heartbeats, output, ACKs) and a browser polling at once make that
-likely. Serializing the application removes it; the test thread takes the
-same lock for its own reads. (The embedded default itself is a file database
-in WAL mode, one connection per thread: none of this applies to it.)
+"database unavailable" when SQLite's shared cache reported a table locked. A
+real agent (heartbeats, output, ACKs) and a browser polling at once made that
+likely. Serializing the application removed it; the test thread takes the
+same lock for its own reads. The SQLite pass now tests a file database like
+the embedded default's (qinglong/settings_test.py: WAL, one connection per
+thread, the busy timeout), where none of this applies; the serialization
+stays, harmless.
 """
 
 from __future__ import annotations
