@@ -48,13 +48,12 @@ def _lease_rows_read(plan: dict[str, Any]) -> int:
 
 
 def _with_history(session: WorkerSession, count: int) -> list[tuple[RunLease, str]]:
-    """`count` live leases of `session` and its history, 3,000 ended leases (of
-    one Attempt, lease generations past the live one's), none of which the
-    statistics know of: the lease table is analysed before, still empty."""
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE dispatch_runlease")
+    """`count` live leases of `session`, the lease table analysed, then the
+    Session's history: 3,000 ended leases (of one Attempt, lease generations
+    past the live one's) the statistics do not know of."""
     pairs = _leased(session, count)
     with connection.cursor() as cursor:
+        cursor.execute("ANALYZE dispatch_runlease")
         columns = [f.column for f in RunLease._meta.concrete_fields if not f.primary_key]
         made = {"offer_id": "'past-' || g", "lease_generation": "100 + g", "state": "'released'"}
         cursor.execute(
