@@ -11,6 +11,7 @@ once (qinglong/settings_test.py), which made that test fail now and then.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from django.db import connection, transaction
@@ -21,30 +22,40 @@ from runs.models import Project
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _holding_a_write(holding: threading.Event, release: threading.Event) -> None:
-    try:
-        with transaction.atomic():
-            make_project()
-            holding.set()
-            release.wait(10)
-    finally:
-        connection.close()  # this thread's own
-
-
 def test_a_second_writer_waits_for_the_first_to_commit() -> None:
-    holding, release = threading.Event(), threading.Event()
-    first = threading.Thread(target=_holding_a_write, args=(holding, release))
+    holding, writing = threading.Event(), threading.Event()
+    released_at: list[float] = []
+
+    def hold_a_write() -> None:
+        try:
+            with transaction.atomic():
+                make_project()
+                holding.set()
+                # Let go only once the other thread is about to write, and a
+                # moment later, so that its write has begun to wait for this one.
+                writing.wait(10)
+                time.sleep(0.2)
+                released_at.append(time.monotonic())
+        finally:
+            connection.close()  # this thread's own
+
+    first = threading.Thread(target=hold_a_write)
     first.start()
     try:
         assert holding.wait(10)
-        # Let go a moment after this thread's write began to wait for it.
-        threading.Timer(0.2, release.set).start()
+        writing.set()
         with transaction.atomic():
             make_project()
+        written_at = time.monotonic()
     finally:
-        release.set()
+        writing.set()
         first.join(10)
     assert Project.objects.count() == 2
+    if connection.vendor == "sqlite":
+        # One writer at a time: this write went through only after the first
+        # committed (had it not met the first's lock at all, it would have
+        # finished before the first let go).
+        assert released_at and written_at > released_at[0]
 
 
 def test_a_writer_waits_for_a_read_in_progress_on_another_thread() -> None:
@@ -64,7 +75,8 @@ def test_a_writer_waits_for_a_read_in_progress_on_another_thread() -> None:
     reader.start()
     try:
         assert reading.wait(10)
-        threading.Timer(0.2, release.set).start()
+        # Written while the other thread's read is still open (it is let go
+        # only afterwards): WAL lets a writer beside a reader go on.
         make_project()
     finally:
         release.set()
