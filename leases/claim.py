@@ -117,6 +117,7 @@ def lease_claim(request: ClaimRequest, *, delivered: bool = False) -> ClaimOutco
 
 
 def _won(lease: RunLease) -> ClaimOutcome:
+    """A single claim's outcome, logged as its own `lease_claimed` line."""
     logger.info(
         "lease claimed",
         extra={
@@ -127,7 +128,32 @@ def _won(lease: RunLease) -> ClaimOutcome:
             "lease_generation": lease.lease_generation,
         },
     )
+    return _outcome(lease)
+
+
+def _outcome(lease: RunLease) -> ClaimOutcome:
     return ClaimOutcome(status=ClaimStatus.WON, lease_id=str(lease.pk), expires_at=lease.expires_at)
+
+
+def _log_won_page(leases: Sequence[RunLease]) -> None:
+    """One line for the claims a page won: `lease_claimed`'s four facts of
+    each, in request order, as lists of the same length (one record per page
+    instead of one per claim: a record cost about 21 µs, a claim's share of
+    a page's Python about 0.5 ms, issue #12). Ids and generations only: no
+    lease token, no spec."""
+    if not leases or not logger.isEnabledFor(logging.INFO):
+        return
+    logger.info(
+        "leases claimed",
+        extra={
+            "event": "leases_claimed",
+            "count": len(leases),
+            "lease_ids": [lease.pk for lease in leases],
+            "attempt_ids": [lease.attempt_id for lease in leases],
+            "worker_ids": [lease.worker_id for lease in leases],
+            "lease_generations": [lease.lease_generation for lease in leases],
+        },
+    )
 
 
 def _claimable(rows: ClaimRows, request: ClaimRequest) -> bool:
@@ -286,8 +312,14 @@ def lease_claim_many(
             extra={"event": "claim_page_deadlock", "requests": len(requests)},
         )
         return [lease_claim(request, delivered=delivered) for request in requests]
-    for index, answer in decided.items():
-        outcomes[index] = _won(answer) if isinstance(answer, RunLease) else answer
+    won: list[RunLease] = []
+    for index, answer in sorted(decided.items()):
+        if isinstance(answer, RunLease):
+            won.append(answer)
+            outcomes[index] = _outcome(answer)
+        else:
+            outcomes[index] = answer
+    _log_won_page(won)
     return [_LOST if outcome is None else outcome for outcome in outcomes]
 
 

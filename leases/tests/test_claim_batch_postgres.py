@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from leases.quota import project_live_lease_count, task_live_lease_count
 from leases.tests.racing import HeldRows, assert_locks_in_order, race
 from qinglong import testing
 from qinglong.clock import db_now
+from qinglong.logging import JsonFormatter, RedactionFilter
 from runs.models import Attempt, AttemptEvent, AttemptState, Project, Run, RunState
 from workers.models import WorkerSession
 
@@ -210,6 +212,65 @@ def test_a_page_of_one_is_a_plain_claim() -> None:
         (outcome,) = lease_claim_many(requests)
     assert outcome.status is WON
     assert len(queries.captured_queries) == 4
+
+
+def _claim_lines(requests: list[ClaimRequest]) -> tuple[list[Any], list[logging.LogRecord]]:
+    lines: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "event", None) in ("lease_claimed", "leases_claimed"):
+                lines.append(record)
+
+    log = logging.getLogger("qinglong.dispatch")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        outcomes = lease_claim_many(requests)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return outcomes, lines
+
+
+def test_the_claims_a_page_won_are_one_line_and_a_page_of_one_keeps_its_own() -> None:
+    session = _session(2)
+    a, b, c, d = _attempts(4)
+    pairs = [testing.claim_request(x, session) for x in (a, b, c)]
+    outcomes, lines = _claim_lines([request for request, _ in pairs])
+    assert _statuses(outcomes) == [WON, WON, UNAVAILABLE]
+    assert [r.event for r in lines] == ["leases_claimed"], lines  # type: ignore[attr-defined]
+    (line,) = lines
+    assert line.getMessage() == "leases claimed"
+    assert line.count == 2  # type: ignore[attr-defined]
+    leases = [RunLease.objects.get(pk=int(str(o.lease_id))) for o in outcomes[:2]]
+    logged = list(
+        zip(
+            line.lease_ids,  # type: ignore[attr-defined]
+            line.attempt_ids,  # type: ignore[attr-defined]
+            line.worker_ids,  # type: ignore[attr-defined]
+            line.lease_generations,  # type: ignore[attr-defined]
+            strict=True,
+        )
+    )
+    assert logged == [
+        (lease.pk, lease.attempt_id, lease.worker_id, lease.lease_generation) for lease in leases
+    ]
+    # As written: through the redaction filter and the JSON formatter, ids and
+    # generations only (no token or its digest, no spec or its digest).
+    RedactionFilter().filter(line)
+    written = JsonFormatter().format(line)
+    assert json.loads(written)["lease_ids"] == [lease.pk for lease in leases]
+    assert json.loads(written)["worker_ids"] == [lease.worker_id for lease in leases]
+    for (request, token), lease in zip(pairs, leases, strict=False):
+        assert token not in written and request.token_digest not in written
+        assert lease.offer_id not in written and lease.spec_digest not in written
+    # A page of one is a single claim: its own line, as before.
+    (outcome,), lines = _claim_lines(_requests([d], _session(1)))
+    assert outcome.status is WON
+    assert [r.event for r in lines] == ["lease_claimed"], lines  # type: ignore[attr-defined]
+    assert lines[0].lease_id == int(str(outcome.lease_id))  # type: ignore[attr-defined]
 
 
 def test_delivered_claims_are_written_delivered() -> None:
