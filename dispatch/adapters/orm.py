@@ -13,6 +13,7 @@ checks against these adapters and the in-memory fakes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import threading
@@ -45,7 +46,7 @@ from dispatch.core.ports import (
     RecoverableLease,
     WorkerRecord,
 )
-from dispatch.core.spec import TaskDefinition, build_spec
+from dispatch.core.spec import SpecTemplate, TaskDefinition, build_spec
 from leases import policy
 from leases.claim import DatabaseClaimPort
 from leases.models import LeaseState, RunLease
@@ -418,20 +419,29 @@ class _RevisionPlan:
     `definition` and `placement`: the row through the one shared validator
     (`runs.services.revision_definition`, `validate_placement`); None when
     that validator refuses it (then no plan is ever made from it).
+    `template`: the revision's part of every spec made from it, through the
+    spec validator once (`dispatch.core.spec.SpecTemplate`); None when the
+    spec validator refuses it, and then each plan carries a plain spec that
+    the cycle refuses as it always did.
     """
 
     revision: TaskRevision
     definition: TaskDefinition | None
     placement: Placement | None
+    template: SpecTemplate | None = None
 
 
 def _revision_plan(revision: TaskRevision) -> _RevisionPlan:
     try:
-        return _RevisionPlan(
-            revision, revision_definition(revision), validate_placement(revision.placement)
-        )
+        definition = revision_definition(revision)
+        placement = validate_placement(revision.placement)
     except SpecError:
         return _RevisionPlan(revision, None, None)
+    try:
+        template: SpecTemplate | None = SpecTemplate.of(definition)
+    except SpecError:
+        template = None
+    return _RevisionPlan(revision, definition, placement, template)
 
 
 class _Revisions:
@@ -848,21 +858,37 @@ class OrmPlanSource:
             # A stored revision the shared validator now refuses cannot be
             # materialized: fail closed for this candidate (docs/adr/0002).
             raise PlanUnavailable("the pinned revision is not valid")
-        return DispatchPlan(
-            run_id=run_id,
-            attempt_id=attempt_id,
-            project_id=project_id,
-            task_id=task_id,
-            task_revision=revision.revision,
-            # `runs.services.attempt_spec`, from the definition validated once.
-            spec=build_spec(
+        # `runs.services.attempt_spec`, from the definition validated once;
+        # with a template, only the Run's ids are validated and digested per
+        # plan (the revision's part was, once).
+        # An id the spec validator refuses makes a plain spec, which the cycle
+        # refuses (`invalid_spec`) as it always did.
+        spec: Mapping[str, object] | None = None
+        if plan.template is not None:
+            with contextlib.suppress(SpecError):
+                spec = plan.template.spec(
+                    run_id=run_id,
+                    attempt_id=attempt_id,
+                    project_id=project_id,
+                    task_id=task_id,
+                    task_revision=revision.revision,
+                )
+        if spec is None:
+            spec = build_spec(
                 run_id=run_id,
                 attempt_id=attempt_id,
                 project_id=project_id,
                 task_id=task_id,
                 task_revision=revision.revision,
                 definition=plan.definition,
-            ),
+            )
+        return DispatchPlan(
+            run_id=run_id,
+            attempt_id=attempt_id,
+            project_id=project_id,
+            task_id=task_id,
+            task_revision=revision.revision,
+            spec=spec,
             placement=plan.placement,
         )
 

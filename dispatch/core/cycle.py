@@ -59,7 +59,7 @@ from dispatch.core.ports import (
     id_sort_key,
 )
 from dispatch.core.result import CycleCounts, CycleReason, CycleStatus, DispatchCycleResult
-from dispatch.core.spec import check_spec_identity, spec_sha256, validate_spec
+from dispatch.core.spec import PreparedSpec, check_spec_identity, spec_sha256, validate_spec
 
 __all__ = ["dispatch_once"]
 
@@ -664,13 +664,17 @@ class _Cycle:
 # ------------------------------------------------------------ pure step helpers
 
 
-def _checked_spec(plan: DispatchPlan, candidate: Candidate) -> tuple[dict[str, object], str]:
+def _checked_spec(plan: DispatchPlan, candidate: Candidate) -> tuple[Mapping[str, object], str]:
     """Step 5: the validated deep copy of the plan's spec and its digest.
 
-    Raises SpecError unless spec and plan are for exactly the persisted
-    candidate (run, attempt, project, task, revision, executor type).
+    A `PreparedSpec` is validated already (its revision's part once, its
+    Run's ids when it was made) and read-only: it is its own copy, its digest
+    computed when it was made. Raises SpecError unless spec and plan are for
+    exactly the persisted candidate (run, attempt, project, task, revision,
+    executor type).
     """
-    spec = validate_spec(plan.spec)
+    prepared = plan.spec if isinstance(plan.spec, PreparedSpec) else None
+    spec = validate_spec(plan.spec) if prepared is None else prepared
     check_spec_identity(
         spec,
         run_id=candidate.run_id,
@@ -685,7 +689,7 @@ def _checked_spec(plan: DispatchPlan, candidate: Candidate) -> tuple[dict[str, o
             raise SpecError(name, "plan does not match the persisted candidate")
     if spec["executor_type"] != candidate.executor_type:
         raise SpecError("executor_type", "does not match the persisted candidate")
-    return spec, spec_sha256(spec)
+    return spec, spec_sha256(spec) if prepared is None else prepared.sha256
 
 
 def _required_placement(plan: DispatchPlan, candidate: Candidate) -> Placement:
@@ -750,7 +754,7 @@ class _Placed:
     """A candidate past steps 4-6, and the Workers whose claims found them unavailable."""
 
     candidate: Candidate
-    spec: dict[str, object] = field(repr=False)
+    spec: Mapping[str, object] = field(repr=False)
     digest: str
     placement: Placement
     tried: set[str] = field(default_factory=set)

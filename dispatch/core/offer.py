@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Final, NoReturn
 
 from dispatch.core.ports import to_rfc3339
+from dispatch.core.spec import PreparedSpec
 from dispatch.core.spec import spec_sha256 as compute_spec_sha256
 
 __all__ = [
@@ -149,13 +150,20 @@ class ClaimedExecutionOffer:
     placement_score: int | None
 
     def __post_init__(self) -> None:
-        frozen = _freeze(self.spec)
-        if not isinstance(frozen, Mapping):
-            raise TypeError("an ExecutionSpec must be an object")
-        object.__setattr__(self, "spec", frozen)
+        if isinstance(self.spec, PreparedSpec):
+            # Read-only already, its digest taken from its content when it was
+            # made (dispatch.core.spec.SpecTemplate: a revision's part once).
+            frozen: object = self.spec
+            digest = self.spec.sha256
+        else:
+            frozen = _freeze(self.spec)
+            if not isinstance(frozen, Mapping):
+                raise TypeError("an ExecutionSpec must be an object")
+            object.__setattr__(self, "spec", frozen)
+            digest = compute_spec_sha256(frozen)
         # The digest is what the Worker and the lease check against; an offer
         # whose spec does not hash to it would be refused at ACK time anyway.
-        if compute_spec_sha256(frozen) != self.spec_sha256:
+        if digest != self.spec_sha256:
             raise ValueError("spec_sha256 does not match the offer's spec")
 
     def summary(self) -> dict[str, object]:

@@ -11,8 +11,9 @@ import enum
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 from types import MappingProxyType
 from typing import Final
 
@@ -47,8 +48,10 @@ __all__ = [
     "MAX_TIMEOUT_S",
     "SPEC_FIELDS",
     "SPEC_VERSION",
+    "PreparedSpec",
     "RetryOn",
     "RunPolicy",
+    "SpecTemplate",
     "TaskDefinition",
     "build_spec",
     "canonical_json",
@@ -428,6 +431,143 @@ def validate_spec(raw: Mapping[str, object]) -> dict[str, object]:
         raise SpecError("resources", "is required")
     spec["resources"] = validate_resources(raw["resources"])
     return spec
+
+
+# ------------------------------------------------- a revision's spec, validated once
+
+# The fields a TaskRevision fixes; the rest of a spec (`spec_version`, the ids,
+# `task_revision`) is the Run's.
+_BODY_FIELDS: Final = ("executor_type", "command", "cwd", "env", "timeout_s", "resources")
+
+
+def _canonical_value(value: object) -> str:
+    """One value as `canonical_json` writes it inside a spec (same options)."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+
+
+class SpecTemplate:
+    """The part of an ExecutionSpec a TaskRevision fixes, validated once (issue #12).
+
+    Built from a revision's body (`TaskDefinition` or any mapping with
+    `_BODY_FIELDS`) through the same validators, in the same order, as
+    `validate_spec` applies to those fields; raises `SpecError` where it
+    would. Keeps the validated values read-only (the command a tuple, env and
+    resources read-only mappings) and each field's canonical JSON, so a spec
+    made from it (`PreparedSpec`) validates and digests only the Run's part.
+    A revision never changes, so neither does its template.
+    """
+
+    __slots__ = ("_parts", "_values")
+
+    def __init__(self, body: Mapping[str, object]) -> None:
+        executor_type = validate_executor_type(body["executor_type"])
+        command = validate_command(body["command"])
+        cwd = validate_cwd(body["cwd"])
+        env = validate_env(body["env"])
+        validate_payload_size(command=command, cwd=cwd, env=env, field="spec")
+        timeout_s = validate_timeout_s(body["timeout_s"])
+        if body["resources"] is None:
+            raise SpecError("resources", "is required")
+        resources = validate_resources(body["resources"])
+        plain: dict[str, object] = {
+            "executor_type": executor_type,
+            "command": command,
+            "cwd": cwd,
+            "env": env,
+            "timeout_s": timeout_s,
+            "resources": resources,
+        }
+        # canonical_json's key order: each fixed field as its `"key":value`
+        # text, each of the Run's fields as its name (filled in per spec).
+        self._parts: tuple[str, ...] = tuple(
+            f"{encode_basestring(name)}:{_canonical_value(plain[name])}" if name in plain else name
+            for name in sorted(SPEC_FIELDS)
+        )
+        self._values: dict[str, object] = {
+            "executor_type": executor_type,
+            "command": tuple(command),
+            "cwd": cwd,
+            "env": MappingProxyType(env),
+            "timeout_s": timeout_s,
+            "resources": MappingProxyType(resources),
+        }
+
+    @classmethod
+    def of(cls, definition: TaskDefinition) -> SpecTemplate:
+        return cls({name: getattr(definition, name) for name in _BODY_FIELDS})
+
+    def spec(
+        self, *, run_id: str, attempt_id: str, project_id: str, task_id: str, task_revision: int
+    ) -> PreparedSpec:
+        """The Run's spec: its ids validated as `validate_spec` validates them."""
+        return PreparedSpec(
+            self,
+            run_id=run_id,
+            attempt_id=attempt_id,
+            project_id=project_id,
+            task_id=task_id,
+            task_revision=task_revision,
+        )
+
+
+class PreparedSpec(Mapping[str, object]):
+    """A validated, read-only ExecutionSpec: a `SpecTemplate` and one Run's part.
+
+    The same keys, values and order as `validate_spec(build_spec(...))` (nested
+    lists as tuples, objects as read-only mappings, as an offer freezes them),
+    and `sha256` is `spec_sha256` of it, computed from the template's canonical
+    texts and the Run's ids only. Valid by construction: the ids and
+    `task_revision` are checked here, per spec, the rest once per template.
+    """
+
+    __slots__ = ("_values", "sha256")
+
+    def __init__(
+        self,
+        template: SpecTemplate,
+        *,
+        run_id: str,
+        attempt_id: str,
+        project_id: str,
+        task_id: str,
+        task_revision: int,
+    ) -> None:
+        own: dict[str, object] = {
+            "spec_version": SPEC_VERSION,
+            "run_id": validate_id(run_id, field="run_id"),
+            "attempt_id": validate_id(attempt_id, field="attempt_id"),
+            "project_id": validate_id(project_id, field="project_id"),
+            "task_id": validate_id(task_id, field="task_id"),
+            "task_revision": require_int(
+                task_revision, field="task_revision", minimum=1, maximum=2**63 - 1
+            ),
+        }
+        self._values: dict[str, object] = {**own, **template._values}
+        # The ids are decimal digits and the integers plain ints: their JSON is
+        # the string quoted (as json writes it) and the integer's decimal text.
+        text = ",".join(
+            part if part not in own else f"{encode_basestring(part)}:{_own_json(own[part])}"
+            for part in template._parts
+        )
+        self.sha256: str = hashlib.sha256(f"{{{text}}}".encode()).hexdigest()
+
+    def __getitem__(self, key: str) -> object:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"PreparedSpec(sha256={self.sha256[:12]!r}…)"
+
+
+def _own_json(value: object) -> str:
+    return encode_basestring(value) if isinstance(value, str) else str(value)
 
 
 def _as_dict(value: object) -> object:

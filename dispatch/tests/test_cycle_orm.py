@@ -10,6 +10,7 @@ import json
 import logging
 import secrets
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -20,10 +21,12 @@ from django.forms.models import model_to_dict
 from django.test.utils import CaptureQueriesContext, override_settings
 
 from dispatch.adapters.orm import OrmLeaseRecoverySource, revisions_read
+from dispatch.core import spec as spec_module
 from dispatch.core.budget import DispatchBudget
 from dispatch.core.offer import ClaimedExecutionOffer, OfferSource
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleReason, CycleStatus
+from dispatch.core.spec import spec_sha256, validate_spec
 from dispatch.cycles import cycle_recorder, dispatch_cycle, dispatch_paused, dispatch_set_paused
 from dispatch.models import DispatchCycle
 from leases.end import run_cancel
@@ -31,7 +34,7 @@ from leases.models import LeaseState, RunLease
 from qinglong import testing
 from qinglong.clock import db_now
 from runs.models import Attempt, AttemptState, Run, RunState
-from runs.services import task_update
+from runs.services import attempt_spec, task_update
 from workers.models import WorkerSession
 from workers.services import session_open
 
@@ -493,6 +496,54 @@ def test_a_cycle_reads_the_revisions_it_does_not_keep_yet_in_one_statement() -> 
     assert len(read_from(queries, "runs_taskrevision")) == 1
     for task in tasks:
         assert revisions_read.get(int(str(task.current_revision_id))) is not None
+
+
+def test_a_revisions_spec_is_validated_and_digested_once_for_all_its_claims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue #12: each offer's spec was validated, deep-frozen and digested
+    # (twice) per claim; a revision's part is now done once, when the process
+    # first reads the revision (`revisions_read`), and each spec checks and
+    # digests only its Run's ids.
+    task = testing.make_task()
+    _sessions(2, slots=2)
+    calls: Counter[str] = Counter()
+    for name in ("validate_command", "validate_env", "canonical_json"):
+        real = getattr(spec_module, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(spec_module, name, counted)
+    revisions_read.clear()
+    offers: list[ClaimedExecutionOffer] = []
+    seen: list[dict[str, int]] = []
+    for _ in range(2):
+        for _ in range(2):
+            testing.make_run(task)
+        calls.clear()
+        with budget(redelivery_backoff_s=3600):
+            result = dispatch_cycle(scope=GLOBAL)
+        assert result.counts.claims_won == 2
+        offers.extend(result.offers)
+        seen.append(dict(calls))
+    # The first cycle reads the revision: the definition's validator and the
+    # spec template's, once each; the second claims from it and checks no body.
+    assert seen[0] == {"validate_command": 2, "validate_env": 2, "canonical_json": 2}, seen
+    assert seen[1] == {}, seen
+    monkeypatch.undo()
+    # Every offer's spec and digest are the ones the spec's own path gives.
+    for offer in offers:
+        attempt = Attempt.objects.select_related("run__task_revision").get(pk=offer.attempt_id)
+        plain = validate_spec(
+            attempt_spec(attempt=attempt, run=attempt.run, revision=attempt.run.task_revision)
+        )
+        wire = offer.to_wire()["spec"]
+        assert isinstance(wire, dict)
+        assert wire == plain and list(wire) == list(plain)
+        assert offer.spec_sha256 == spec_sha256(plain)
+        assert RunLease.objects.get(pk=offer.lease.lease_id).spec_digest == offer.spec_sha256
 
 
 def test_query_count_of_a_full_cluster_cycle_does_not_grow_with_the_backlog() -> None:

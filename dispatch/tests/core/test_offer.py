@@ -19,7 +19,7 @@ from dispatch.core.offer import (
     token_digest,
     tokens_equal,
 )
-from dispatch.core.spec import build_spec, spec_sha256, validate_task_definition
+from dispatch.core.spec import SpecTemplate, build_spec, spec_sha256, validate_task_definition
 from dispatch.tests.core._builders import CANARY, SECRET, secret_definition
 
 WHEN = datetime(2026, 7, 18, 12, 0, tzinfo=UTC)
@@ -219,3 +219,19 @@ def test_offer_and_lease_refuse_pickle_and_copy() -> None:
 
 def test_offer_has_no_instance_dict_to_dump() -> None:
     assert not hasattr(an_offer(), "__dict__")
+
+
+def test_an_offer_of_a_prepared_spec_is_the_offer_of_the_plain_spec() -> None:
+    ids = {"run_id": "100", "attempt_id": "1000", "project_id": "1", "task_id": "10"}
+    definition = validate_task_definition(secret_definition())
+    plain = an_offer()
+    prepared = SpecTemplate.of(definition).spec(**ids, task_revision=1)
+    offer = an_offer(spec=prepared, spec_sha256=prepared.sha256)
+    assert offer.spec_sha256 == plain.spec_sha256
+    assert offer.to_wire() == plain.to_wire()
+    assert list(offer.to_wire()["spec"]) == list(plain.to_wire()["spec"])  # type: ignore[call-overload]
+    assert offer.summary() == plain.summary()
+    assert CANARY not in repr(offer) and CANARY not in str(offer.summary())
+    # The digest is still checked against the spec.
+    with pytest.raises(ValueError, match="spec_sha256"):
+        an_offer(spec=prepared, spec_sha256="0" * 64)

@@ -4,6 +4,7 @@ import copy
 import hashlib
 import json
 import string
+from collections.abc import Mapping
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,8 @@ from dispatch.core.spec import (
     MAX_COMMAND_ITEMS,
     MAX_ENV_ITEMS,
     SPEC_FIELDS,
+    PreparedSpec,
+    SpecTemplate,
     build_spec,
     canonical_json,
     check_spec_identity,
@@ -501,3 +504,107 @@ def test_lone_surrogates_are_rejected_before_anything_is_hashed(override, field)
         validate_task_definition(raw)
     assert err.value.field.startswith(field.split("[")[0])
     assert "\ud800" not in str(err.value) and "hunter2" not in str(err.value)
+
+
+# ------------------------------------------------ a revision's spec, validated once
+
+_RUN_PART = ("run_id", "attempt_id", "project_id", "task_id", "task_revision")
+
+
+def _prepared(raw: dict[str, object]) -> PreparedSpec:
+    return SpecTemplate(raw).spec(**{name: raw[name] for name in _RUN_PART})  # type: ignore[arg-type]
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _same_as_validated(raw: dict[str, object]) -> None:
+    plain = validate_spec(raw)
+    prepared = _prepared(raw)
+    assert _plain(prepared) == plain
+    assert list(prepared) == list(plain)
+    assert canonical_json(prepared) == canonical_json(plain)
+    assert prepared.sha256 == spec_sha256(prepared) == spec_sha256(plain)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"cwd": None, "env": {}},
+        {"command": ['say "hi"', "back\\slash", "new\nline", "tab\tand\x7f"]},
+        {"command": ["雪", "äé", "emoji 🚀", "line\u2028sep"], "cwd": "srv/雪"},
+        {"env": {"Z": "last", "A": "first", "M": '{"json":[1,2]}', "B": ""}},
+        {"resources": {"cpu_millis": 0, "memory_mb": 10_000_000}, "timeout_s": 604800},
+        {"run_id": "9" * 20, "attempt_id": "0", "task_revision": 2**63 - 1},
+    ],
+)
+def test_a_prepared_spec_is_the_validated_spec_and_its_digest(overrides: dict[str, object]) -> None:
+    _same_as_validated(a_spec(**overrides))
+
+
+@settings(database=None, max_examples=80, deadline=None)
+@given(_specs)
+def test_a_prepared_spec_is_the_validated_spec_for_any_spec(raw: dict[str, object]) -> None:
+    _same_as_validated(raw)
+
+
+def test_a_prepared_spec_is_read_only_and_shares_nothing_with_its_body() -> None:
+    raw = a_spec()
+    prepared = _prepared(raw)
+    env, command = raw["env"], raw["command"]
+    assert isinstance(env, dict) and isinstance(command, list)
+    env["GREETING"] = "changed"
+    command.append("more")
+    assert _plain(prepared) == validate_spec(a_spec())
+    with pytest.raises(TypeError):
+        prepared["env"]["GREETING"] = "x"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        prepared["run_id"] = "1"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("command", []),
+        ("env", {"1BAD": "x"}),
+        ("cwd", "/abs"),
+        ("timeout_s", 0),
+        ("resources", None),
+        ("executor_type", "Bad"),
+        ("env", {"BIG": "x" * 70_000}),
+    ],
+)
+def test_a_template_refuses_a_body_as_validate_spec_does(field: str, value: object) -> None:
+    raw = a_spec(**{field: value})
+    with pytest.raises(SpecError) as plain:
+        validate_spec(raw)
+    with pytest.raises(SpecError) as template:
+        SpecTemplate(raw)
+    assert str(template.value) == str(plain.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("run_id", "1a"),
+        ("attempt_id", ""),
+        ("task_id", 10),
+        ("task_revision", 0),
+        ("task_revision", True),
+    ],
+)
+def test_a_prepared_spec_checks_its_runs_part_as_validate_spec_does(
+    field: str, value: object
+) -> None:
+    raw = a_spec(**{field: value})
+    with pytest.raises(SpecError) as plain:
+        validate_spec(raw)
+    with pytest.raises(SpecError) as prepared:
+        _prepared(raw)
+    assert str(prepared.value) == str(plain.value)
