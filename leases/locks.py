@@ -30,7 +30,7 @@ from django.db.models.base import ModelState
 from django.utils import timezone
 
 from leases.models import LeaseState, RunLease
-from qinglong.prepared import int8_params, prepared_cursor
+from qinglong.prepared import array_element, array_text, int8_params, prepared_cursor
 from qinglong.rows import ModelColumns, load_row
 from runs.models import (
     ATTEMPT_ACTIVE_STATES,
@@ -720,22 +720,16 @@ def _batch_keys_params(keys: Sequence[BatchKey]) -> list[Any]:
 
 
 def _key_array(values: Sequence[int | uuid.UUID | str | None]) -> str:
-    """An array of keys as its text form (`{…}`), which the statement casts to
-    the column's array type: psycopg sends it as text of unknown type, so the
-    statement's parameter types never change, and does not run a dumper per
-    element (issue #12, as `leases.writes._array_text` for an ACK wave).
-    Integers and UUIDs as they print; text quoted, a backslash or double quote
-    escaped."""
-    elements = []
-    for value in values:
-        if value is None:
-            elements.append("NULL")
-        elif isinstance(value, str):
-            text = value.replace("\\", "\\\\").replace('"', '\\"')
-            elements.append(f'"{text}"')
-        else:
-            elements.append(str(value))
-    return "{" + ",".join(elements) + "}"
+    """An array of keys as its text form (`{…}`, `qinglong.prepared.array_text`),
+    which the statement casts to the column's array type: psycopg sends it as
+    text of unknown type, so the statement's parameter types never change, and
+    does not run a dumper per element (issue #12). A key of a type that form
+    does not write exactly is an error, never a guessed literal."""
+    text = array_text(values)
+    if text is None:
+        kinds = sorted({type(v).__name__ for v in values if array_element(v) is None})
+        raise TypeError(f"not an array key type: {', '.join(kinds)}")
+    return text
 
 
 def _sessions_cte(where: str) -> str:

@@ -53,7 +53,7 @@ from leases.transitions import (
 )
 from notifications.models import WebhookSubscription
 from notifications.services import run_event_emit
-from qinglong.prepared import int8_params, prepared_cursor, state_literal
+from qinglong.prepared import array_text, int8_params, prepared_cursor, state_literal
 from runs.models import Attempt, AttemptEvent, AttemptState, Run, RunState
 
 __all__ = ["AckWrites", "ClaimCounts", "ClaimWrites", "Guard", "Writes"]
@@ -674,41 +674,12 @@ def _hooked_sql() -> str:
     )
 
 
-def _array_element(value: object) -> str | None:
-    """One element of an array's text form (None: not a type written here)."""
-    kind = type(value)
-    if kind is int:
-        return str(value)
-    if isinstance(value, str):
-        # Quoted: the text form's only escapes are a backslash and a double
-        # quote. (A state is a StrEnum member: its text, not its repr.)
-        text = str.__str__(value)
-        if "\\" in text or '"' in text:
-            text = text.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{text}"'
-    if kind is datetime and cast(datetime, value).tzinfo is not None:
-        return cast(datetime, value).isoformat()
-    if value is None:
-        return "NULL"
-    if kind is bool:
-        return "t" if value else "f"
-    return None
-
-
 def _array_text(values: Sequence[Any]) -> Any:
-    """A column of a wave as its array's text form, `{…}`, which the statement
-    casts to the column's array type; psycopg sends it as text of unknown type
-    (so the statement's parameter types never change). psycopg's own array
-    dumping runs a Python dumper per element: about three times this (a wave
-    of 8 ACKs is some 30 arrays; issue #12). A column holding any other type
-    goes as a list, dumped by psycopg."""
-    elements = []
-    for value in values:
-        element = _array_element(value)
-        if element is None:
-            return list(values)
-        elements.append(element)
-    return "{" + ",".join(elements) + "}"
+    """A column of a wave as its array's text form (`qinglong.prepared.array_text`),
+    which the statement casts to the column's array type. A column holding any
+    other type goes as a list, dumped by psycopg."""
+    text = array_text(values)
+    return list(values) if text is None else text
 
 
 def _apply_wave(wave: Sequence[Writes]) -> None:

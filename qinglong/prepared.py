@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import re
+import uuid
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-__all__ = ["int8_params", "prepared_cursor", "state_literal"]
+__all__ = ["array_element", "array_text", "int8_params", "prepared_cursor", "state_literal"]
 
 # Django opens psycopg connections with `prepare_threshold=None`, which turns
 # off even an explicit `prepare=True`. A threshold no statement reaches
@@ -127,6 +129,55 @@ def int8_params(params: Sequence[Any]) -> list[Any]:
         return value
 
     return [typed(value) for value in params]
+
+
+def array_element(value: object) -> str | None:
+    """One element of a PostgreSQL array's text form; None for a type not
+    written here (the caller then refuses it or lets psycopg dump it).
+
+    Exactly: an int (not a bool) as its decimal text, a bool as `t`/`f`, a
+    UUID as it prints, an aware datetime in ISO 8601 with its offset, None as
+    `NULL`; text always quoted, its only escapes a backslash and a double
+    quote (so braces, commas, spaces, `NULL` and the empty string stay text).
+    A naive datetime, a float or anything else: None.
+    """
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if isinstance(value, str):
+        # A StrEnum member (a state): its text, not its repr.
+        text = str.__str__(value)
+        if "\\" in text or '"' in text:
+            text = text.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{text}"'
+    if value is None:
+        return "NULL"
+    if isinstance(value, datetime) and kind is datetime and value.tzinfo is not None:
+        return value.isoformat()
+    if kind is bool:
+        return "t" if value else "f"
+    if kind is uuid.UUID:
+        return str(value)
+    return None
+
+
+def array_text(values: Sequence[object]) -> str | None:
+    """`values` as a PostgreSQL array's text form, `{…}`, for a statement to
+    cast to the column's array type (`%s::bigint[]`); None when an element is
+    of a type `array_element` does not write.
+
+    psycopg sends the text as a value of unknown type, so a statement's
+    parameter types never change, and runs no dumper per element (about
+    three times this for a list; issue #12). The one writer of this form:
+    `leases.locks` (a page's keys) and `leases.writes` (a wave's columns).
+    """
+    elements = []
+    for value in values:
+        element = array_element(value)
+        if element is None:
+            return None
+        elements.append(element)
+    return "{" + ",".join(elements) + "}"
 
 
 def prepared_cursor() -> Any:
