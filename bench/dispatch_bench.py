@@ -345,7 +345,19 @@ def main() -> int:
         default=PROJECTS,
         help=f"Projects the backlog is spread over, one Task each (default {PROJECTS})",
     )
+    parser.add_argument(
+        "--small",
+        type=int,
+        default=SMALL,
+        help=(
+            f"the smaller backlog (default {SMALL}); e.g. 10000, where every queue group "
+            f"already fills the page's cap as at {LARGE}, to tell growth from the cap"
+        ),
+    )
     args = parser.parse_args()
+    if not 0 < args.small < LARGE:
+        parser.error(f"--small must be between 1 and {LARGE - 1}")
+    small_n = args.small
     base = os.environ.get("BENCH_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 
     if args.child:
@@ -368,9 +380,9 @@ def main() -> int:
         _timed("migrate", lambda: call_command("migrate", verbosity=0))
         task_ids = seed_tasks(args.projects)
         _timed("64 sessions", lambda: seed_sessions(slots=1))
-        _timed(f"backlog {SMALL}", lambda: seed_backlog(SMALL, task_ids=task_ids))
+        _timed(f"backlog {small_n}", lambda: seed_backlog(small_n, task_ids=task_ids))
         small = _timed("measure small", backlog_round)
-        _timed(f"backlog {LARGE}", lambda: seed_backlog(LARGE - SMALL, task_ids=task_ids))
+        _timed(f"backlog {LARGE}", lambda: seed_backlog(LARGE - small_n, task_ids=task_ids))
         large = _timed("measure large", backlog_round)
         rates = _timed("throughput", lambda: throughput(base))
         from django.db import connection
@@ -386,7 +398,10 @@ def main() -> int:
         f"\nglobal dispatch_cycle, {SESSIONS} worker sessions, {args.projects} projects, "
         f"PostgreSQL, budget 8/8x2 (workers 32x2), {ITERATIONS} cycles per cell"
     )
-    print(f"{'scenario':<8} {'metric':<16} {'backlog 100':>12} {'backlog 100k':>13} {'ratio':>7}")
+    print(
+        f"{'scenario':<8} {'metric':<16} {f'backlog {small_n}':>12} "
+        f"{'backlog 100k':>13} {'ratio':>7}"
+    )
     for scenario in ("full", "claim"):
         s, lg = small[scenario], large[scenario]
         for metric, key, fmt in (
