@@ -31,6 +31,7 @@ from leases.end import run_cancel
 from leases.errors import LeaseConflict, LeaseError, Outcome
 from leases.locks import lock_leases_for_acks
 from leases.models import LeaseState, RunLease
+from leases.tests.acking import items, leased
 from leases.tests.racing import assert_locks_in_order, held_by_someone, race
 from qinglong import testing
 from qinglong.clock import db_now
@@ -40,32 +41,6 @@ from workers.models import WorkerSession
 from workers.services import session_open
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-
-def leased(session: WorkerSession, count: int) -> list[tuple[RunLease, str]]:
-    """`count` claimed leases of `session`, oldest Run first."""
-    task = testing.make_task()
-    out = []
-    for _ in range(count):
-        attempt = testing.pending_attempt(testing.make_run(task))
-        _, offer_id, token = testing.claim(attempt, session)
-        out.append((RunLease.objects.get(offer_id=offer_id), token))
-    return out
-
-
-def items(pairs: list[tuple[RunLease, str]], *phases: AckPhase) -> list[AckItem]:
-    return [
-        AckItem(
-            offer_id=lease.offer_id,
-            phase=phase,
-            lease_token=token,
-            spec_sha256=lease.spec_digest,
-            executor_handle="pid:1",
-            exit_code=0,
-        )
-        for lease, token in pairs
-        for phase in phases
-    ]
 
 
 def batch(session: WorkerSession, acks: list[AckItem]) -> list[AckResult | LeaseError]:

@@ -16,23 +16,14 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from leases.ack import AckItem, AckPhase, AckResult, lease_ack_each
+from leases.ack import AckPhase, AckResult, lease_ack_each
 from leases.locks import _acks_sql, lock_leases_for_acks
 from leases.models import RunLease
+from leases.tests.acking import items, leased
 from qinglong import testing
 from workers.models import WorkerSession
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-
-def _leased(session: WorkerSession, count: int) -> list[tuple[RunLease, str]]:
-    task = testing.make_task()
-    out = []
-    for _ in range(count):
-        attempt = testing.pending_attempt(testing.make_run(task))
-        _, offer_id, token = testing.claim(attempt, session)
-        out.append((RunLease.objects.get(offer_id=offer_id), token))
-    return out
 
 
 def _lease_rows_read(plan: dict[str, Any]) -> int:
@@ -51,7 +42,7 @@ def _with_history(session: WorkerSession, count: int) -> list[tuple[RunLease, st
     """`count` live leases of `session`, the lease table analysed, then the
     Session's history: 3,000 ended leases (of one Attempt, lease generations
     past the live one's) the statistics do not know of."""
-    pairs = _leased(session, count)
+    pairs = leased(session, count)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE dispatch_runlease")
         columns = [f.column for f in RunLease._meta.concrete_fields if not f.primary_key]
@@ -91,21 +82,6 @@ def test_the_batch_lock_reads_the_leases_by_offer_id_under_statistics_older_than
     assert _lease_rows_read(plan) <= 4, json.dumps(plan)
 
 
-def _items(pairs: list[tuple[RunLease, str]], *phases: AckPhase) -> list[AckItem]:
-    return [
-        AckItem(
-            offer_id=lease.offer_id,
-            phase=phase,
-            lease_token=token,
-            spec_sha256=lease.spec_digest,
-            executor_handle="pid:1",
-            exit_code=0,
-        )
-        for lease, token in pairs
-        for phase in phases
-    ]
-
-
 def test_the_waves_of_a_batch_run_one_generic_plan_per_connection() -> None:
     # The waves' arrays hold a few items each: costed for the arrays at hand,
     # a custom plan looked cheaper than the generic one (10 rows per unnest),
@@ -115,11 +91,11 @@ def test_the_waves_of_a_batch_run_one_generic_plan_per_connection() -> None:
     session = testing.open_session(testing.make_worker(slots=64)[0]).session
     sizes = (2, 3, 2, 4, 2, 3, 2)  # past PostgreSQL's five custom plans
     for size in sizes:
-        pairs = _leased(session, size)
+        pairs = leased(session, size)
         for phases in ((AckPhase.STARTING,), (AckPhase.RUNNING, AckPhase.SUCCEEDED)):
             answers = list(
                 lease_ack_each(
-                    session=WorkerSession.objects.get(pk=session.pk), items=_items(pairs, *phases)
+                    session=WorkerSession.objects.get(pk=session.pk), items=items(pairs, *phases)
                 )
             )
             assert all(isinstance(a, AckResult) for a in answers), answers
@@ -140,7 +116,7 @@ def test_the_waves_of_a_batch_run_one_generic_plan_per_connection() -> None:
 
 def test_the_batch_lock_turns_only_its_transaction_to_generic_plans() -> None:
     session = testing.open_session(testing.make_worker(slots=4)[0]).session
-    pairs = _leased(session, 2)
+    pairs = leased(session, 2)
     with transaction.atomic():
         chains = lock_leases_for_acks(
             offer_ids=[lease.offer_id for lease, _ in pairs], session_pk=session.pk
