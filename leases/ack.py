@@ -172,6 +172,7 @@ def lease_ack(
         error_code=error_code,
         output_tail=output_tail,
     )
+    phase = item.phase  # an AckPhase, whatever was passed
     if _outside_transactions():
         try:
             done = _in_one_statement(item, session=session)
@@ -210,6 +211,13 @@ class AckItem:
     exit_code: int | None = None
     error_code: str = ""
     output_tail: str = ""
+
+    def __post_init__(self) -> None:
+        # Phases are compared by identity below (`phase is AckPhase.STARTING`):
+        # a plain "starting" would compare unequal to every member and take the
+        # ending path. A text that is no phase is a ValueError here.
+        if type(self.phase) is not AckPhase:
+            object.__setattr__(self, "phase", AckPhase(self.phase))
 
 
 def _in_one_statement(item: AckItem, *, session: WorkerSession) -> OneStatementAck | None:
