@@ -18,10 +18,18 @@ twice the CPU per request on what it does not need here (its header objects,
 the `email` parser for the answer's headers, two sends). One request is one
 `sendall`; the answer's status line and headers are read line by line
 (bounded like `http.client`'s: 64 KiB a line, 100 headers) and only
-`Content-Length`, `Transfer-Encoding: chunked` and `Connection` are
-interpreted; an answer with neither length nor chunks is read to its close.
-Anything malformed is a `TransportError` naming what (`BadStatusLine`,
-`IncompleteRead`, ...), and its connection is closed.
+`Content-Length`, `Transfer-Encoding` and `Connection` are interpreted; an
+answer with neither length nor chunks is read to its close. Anything
+malformed is a `TransportError` naming what (`BadStatusLine`,
+`IncompleteRead`, ...), and its connection is closed. The client refuses
+what RFC 9112 lets it refuse rather than guess how the answer is framed
+(reviewer R5): a header line continued on the next (obs-fold, a line that
+starts with a space or a tab) is `BadHeaderLine`; a `Transfer-Encoding`
+(all of its header lines together) other than exactly `chunked`, any case —
+the request sends no `TE`, so chunked is the only coding a server may apply
+(RFC 9110 §10.1.4) — or one beside a `Content-Length` is
+`BadTransferEncoding`; the tokens of every `Connection` line count (`close`
+in any of them closes).
 
 Connections are kept alive (issue #12): a few idle connections are kept and
 reused by whichever thread posts next (the heartbeat loop, the runners, the
@@ -35,11 +43,19 @@ call may be repeated (an ACK of the same phase is a no-op, a pull is replayed
 by its pull id, a heartbeat is idempotent, a second Session open simply
 fences the first), and a request whose answer was cut off on a fresh
 connection is never repeated here. Every socket operation has the
-transport's timeout.
+transport's timeout (`timeout_s`), and a whole request — connecting, the
+TLS handshake, sending, every byte of the answer, the one resend included —
+has a deadline, `deadline_s`, twice the timeout by default (one timeout for
+the server to answer, a long poll included, one for the answer to arrive):
+a server that trickles its answer a byte at a time, each within the
+timeout, still fails the request then, as a `TimeoutError` like a silent
+one's (reviewer R5). The request is not sent again then: only a reused
+connection that ended before the answer's first line is.
 """
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import json
 import re
@@ -92,12 +108,48 @@ class _Closed(Exception):
     """The connection ended before the first byte of an answer."""
 
 
-class _Connection:
-    __slots__ = ("reader", "sock")
+class _Raw(io.RawIOBase):
+    """A socket's reads, each within the transport's timeout and the
+    request's deadline (`socket.makefile`'s reads have the timeout alone)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        super().__init__()
         self.sock = sock
-        self.reader = sock.makefile("rb")
+        self.timeout_s = timeout_s
+        self.deadline = 0.0  # set by `arm` for each request
+        self.lowered = sock.gettimeout() != timeout_s
+
+    def readable(self) -> bool:
+        return True
+
+    def arm(self, deadline: float) -> None:
+        """A new request on this connection: its deadline, the whole timeout again."""
+        self.deadline = deadline
+        if self.lowered:
+            self.sock.settimeout(self.timeout_s)
+            self.lowered = False
+
+    def bound(self) -> None:
+        """The next socket operation waits no longer than the deadline allows."""
+        remaining = self.deadline - time.monotonic()
+        if remaining < self.timeout_s:
+            if remaining <= 0:
+                raise TimeoutError("the request's deadline passed")
+            self.sock.settimeout(remaining)
+            self.lowered = True
+
+    def readinto(self, buffer: Any) -> int:
+        self.bound()
+        return self.sock.recv_into(buffer)
+
+
+class _Connection:
+    __slots__ = ("raw", "reader", "sock")
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self.sock = sock
+        self.raw = _Raw(sock, timeout_s)
+        self.reader = io.BufferedReader(self.raw)
 
     def close(self) -> None:
         self.reader.close()
@@ -114,7 +166,9 @@ class _Answer:
 
 
 class HttpTransport:
-    def __init__(self, base_url: str, *, timeout_s: float = 15.0) -> None:
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 15.0, deadline_s: float | None = None
+    ) -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("the control plane URL must be http:// or https://")
@@ -123,6 +177,8 @@ class HttpTransport:
             raise ValueError("a non-loopback control plane URL must be https://")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        # The longest one request lasts, however its bytes trickle in.
+        self.deadline_s = 2 * timeout_s if deadline_s is None else deadline_s
         self._https = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port or (443 if self._https else 80)
@@ -137,9 +193,14 @@ class HttpTransport:
 
     # -- connections ---------------------------------------------------------
 
-    def _connect(self) -> _Connection:
+    def _connect(self, deadline: float) -> _Connection:
         self.connections_opened += 1
-        sock = socket.create_connection((self._host, self._port), self.timeout_s)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the request's deadline passed")
+        # The TLS handshake, too, within the deadline (one timeout for all of it).
+        timeout = min(self.timeout_s, remaining)
+        sock = socket.create_connection((self._host, self._port), timeout)
         try:
             # Each request is one send: no Nagle delay waiting for an ACK.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -148,7 +209,7 @@ class HttpTransport:
         except BaseException:
             sock.close()
             raise
-        return _Connection(sock)
+        return _Connection(sock, self.timeout_s)
 
     def _take(self) -> tuple[_Connection | None, bool]:
         """A fresh-enough idle connection (reused=True), else None (connect one)."""
@@ -207,11 +268,14 @@ class HttpTransport:
                 data,
             )
         )
+        deadline = time.monotonic() + self.deadline_s
         while True:
             connection, reused = self._take()
             try:
                 if connection is None:
-                    connection = self._connect()
+                    connection = self._connect(deadline)
+                connection.raw.arm(deadline)
+                connection.raw.bound()
                 connection.sock.sendall(request)
                 answer = _read_answer(connection.reader)
             except (_Closed, *_STALE) as err:
@@ -292,12 +356,15 @@ def _read_answer_from(reader: Any, line: bytes) -> _Answer:
             raise _Protocol("BadStatusLine")
         status = int(code)
         length: int | None = None
-        chunked = False
-        connection = b""
+        codings: list[bytes] | None = None  # every Transfer-Encoding line's, in order
+        connection: list[bytes] = []  # every Connection line's tokens
         for _ in range(_MAX_HEADERS + 1):
             header = _read_line(reader)
             if header in (b"\r\n", b"\n", b""):
                 break
+            if header[:1] in (b" ", b"\t"):
+                # obs-fold (RFC 9112 §5.2): a client may refuse it, and does.
+                raise _Protocol("BadHeaderLine")
             name, colon, value = header.partition(b":")
             if not colon:
                 continue  # http.client ignores such a line too
@@ -308,9 +375,9 @@ def _read_answer_from(reader: Any, line: bytes) -> _Answer:
                     raise _Protocol("BadContentLength")
                 length = int(value)
             elif name == b"transfer-encoding":
-                chunked = value.strip().lower().endswith(b"chunked")
+                codings = (codings or []) + _tokens(value)
             elif name == b"connection":
-                connection = value.strip().lower()
+                connection.extend(_tokens(value))
         else:
             raise _Protocol("TooManyHeaders")
         if not header:
@@ -321,10 +388,16 @@ def _read_answer_from(reader: Any, line: bytes) -> _Answer:
                 raise _Protocol("RemoteDisconnected")
             continue
         # HTTP/1.1 keeps the connection unless told otherwise; 1.0 only if told to.
-        keep = b"close" not in connection if version == b"HTTP/1.1" else b"keep-alive" in connection
+        if version == b"HTTP/1.1":
+            keep = b"close" not in connection
+        else:
+            keep = b"keep-alive" in connection and b"close" not in connection
         if status in (204, 304):
             return _Answer(status, b"", keep)
-        if chunked:
+        if codings is not None:
+            if codings != [b"chunked"] or length is not None:
+                # Chunked alone, never beside a length (RFC 9112 §6.1, §6.3).
+                raise _Protocol("BadTransferEncoding")
             body, complete = _read_chunked(reader)
             return _Answer(status, body, keep and complete)
         if length is not None:
@@ -339,6 +412,11 @@ def _read_answer_from(reader: Any, line: bytes) -> _Answer:
         if len(body) > _MAX_RESPONSE_BYTES:
             return _Answer(status, None, False)
         return _Answer(status, body, False)
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    """A header value's comma-separated items, lowercased; empty ones dropped."""
+    return [item for item in (part.strip().lower() for part in value.split(b",")) if item]
 
 
 def _read_chunked(reader: Any) -> tuple[bytes | None, bool]:

@@ -334,6 +334,51 @@ def test_an_http_1_0_answer_or_connection_close_is_not_reused(scripted: Any) -> 
     assert len(server.requests) == 4
 
 
+def test_transfer_encoding_chunked_is_read_in_any_case(scripted: Any) -> None:
+    chunked = b"2\r\n{}\r\n0\r\n\r\n"
+    server = scripted(
+        [
+            _answer(chunked, b"Transfer-Encoding: CHUNKED"),
+            _answer(chunked, b"transfer-encoding:  Chunked "),
+        ]
+    )
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    assert [transport.post("/x", {}, token="t").status for _ in range(2)] == [200, 200]
+    transport.close()
+    assert transport.connections_opened == 1
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        (b"Connection: close", b"Connection: keep-alive"),
+        (b"Connection: keep-alive", b"Connection: Close"),
+        (b"Connection: x-a", b"connection: x-b, CLOSE"),
+    ],
+    ids=["close-first", "close-last", "close-among-tokens"],
+)
+def test_close_in_any_connection_line_closes(scripted: Any, lines: tuple[bytes, ...]) -> None:
+    """Every Connection line's tokens count (reviewer R5), not the last line's
+    alone: an answer that says close anywhere is its connection's last."""
+    server = scripted([_answer(b"{}", b"Content-Length: 2", *lines)] * 2)
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    assert [transport.post("/x", {}, token="t").status for _ in range(2)] == [200, 200]
+    transport.close()
+    assert transport.connections_opened == 2
+
+
+def test_an_http_1_0_keep_alive_with_a_close_too_is_not_reused(scripted: Any) -> None:
+    answer = (
+        b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nConnection: close\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    )
+    server = scripted([answer, answer])
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    assert [transport.post("/x", {}, token="t").status for _ in range(2)] == [200, 200]
+    transport.close()
+    assert transport.connections_opened == 2
+
+
 def test_an_answer_without_length_is_read_to_its_close(scripted: Any) -> None:
     server = scripted(
         [_answer(b'{"to": "the end"}'), _answer(b'{"n": 2}', b"Content-Length: 8")], closing=(0,)
@@ -365,6 +410,38 @@ def test_an_interim_100_continue_is_skipped(scripted: Any) -> None:
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n", "IncompleteRead"),
         (b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 101 + b"\r\n", "TooManyHeaders"),
         (b"HTTP/1.1 200 OK\r\nX-A: " + b"b" * 70000 + b"\r\n\r\n", "LineTooLong"),
+        # obs-fold (reviewer R5): a line continuing the one before is refused,
+        # whatever it holds (here: a length the answer would else be read by).
+        (_answer(b"{}", b"Content-Length: 2", b"X-A: b", b" c"), "BadHeaderLine"),
+        (_answer(b"{}", b"X-A: b", b"\tContent-Length: 2"), "BadHeaderLine"),
+        (b"HTTP/1.1 200 OK\r\n Content-Length: 2\r\n\r\n{}", "BadHeaderLine"),
+        # Transfer-Encoding (R5): chunked and nothing else, never with a length.
+        (_answer(b"2\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: notchunked"), "BadTransferEncoding"),
+        (
+            _answer(b"2\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: gzip, chunked"),
+            "BadTransferEncoding",
+        ),
+        (
+            _answer(b"2\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: chunked, chunked"),
+            "BadTransferEncoding",
+        ),
+        (
+            _answer(
+                b"2\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: gzip", b"Transfer-Encoding: chunked"
+            ),
+            "BadTransferEncoding",
+        ),
+        (_answer(b"{}", b"Transfer-Encoding: chunked, gzip"), "BadTransferEncoding"),
+        (_answer(b"{}", b"Transfer-Encoding: identity"), "BadTransferEncoding"),
+        (_answer(b"{}", b"Transfer-Encoding:"), "BadTransferEncoding"),
+        (
+            _answer(b"2\r\n{}\r\n0\r\n\r\n", b"Content-Length: 12", b"Transfer-Encoding: chunked"),
+            "BadTransferEncoding",
+        ),
+        (
+            _answer(b"2\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: chunked", b"Content-Length: 12"),
+            "BadTransferEncoding",
+        ),
     ],
 )
 def test_a_malformed_answer_is_a_named_transport_error_and_not_sent_again(
@@ -391,6 +468,100 @@ def test_a_silent_server_is_a_timeout() -> None:
             transport.post("/x", {}, token="t")
     finally:
         listener.close()
+
+
+class _Trickling:
+    """A raw server that answers `before` requests at once, then trickles the
+    next answer's bytes one at a time, each well within the client's timeout,
+    for `trickle_s` in all."""
+
+    def __init__(self, answer: bytes, *, before: int, pause_s: float) -> None:
+        import socket
+
+        self.answer = answer
+        self.before = before
+        self.pause_s = pause_s
+        self.requests = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import time
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                reader = conn.makefile("rb")
+                try:
+                    while True:
+                        head = b""
+                        while not head.endswith(b"\r\n\r\n"):
+                            line = reader.readline()
+                            if not line:
+                                raise OSError("closed")
+                            head += line
+                        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                        reader.read(length)
+                        self.requests += 1
+                        if self.requests <= self.before:
+                            conn.sendall(self.answer)
+                            continue
+                        for index in range(len(self.answer)):
+                            conn.sendall(self.answer[index : index + 1])
+                            time.sleep(self.pause_s)
+                except OSError:
+                    pass
+                finally:
+                    reader.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("before", [0, 1], ids=["new-connection", "reused-connection"])
+def test_a_trickling_answer_fails_at_the_request_deadline_and_is_not_sent_again(
+    before: int,
+) -> None:
+    """Each byte comes within the timeout (0.3 s), the whole would take about
+    4 s: the request fails at its deadline (twice the timeout) as a timeout,
+    on a reused connection too, and is not sent again (reviewer R5)."""
+    import time
+
+    body = b'{"pad": "' + b"x" * 60 + b'"}'
+    answer = _answer(body, b"Content-Length: %d" % len(body))
+    server = _Trickling(answer, before=before, pause_s=0.04)
+    try:
+        transport = HttpTransport(f"http://127.0.0.1:{server.port}", timeout_s=0.3)
+        assert transport.deadline_s == 0.6
+        for _ in range(before):
+            assert transport.post("/x", {}, token="t").status == 200
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"^TimeoutError$"):
+            transport.post("/x", {}, token="t")
+        elapsed = time.monotonic() - started
+        assert 0.5 < elapsed < 1.5
+        assert server.requests == before + 1
+        assert transport.connections_opened == 1
+        transport.close()
+    finally:
+        server.close()
+
+
+def test_an_answer_within_the_deadline_is_read_whole() -> None:
+    """A slow but whole answer (a long poll's wait, then its bytes) inside
+    the deadline is an answer."""
+    body = b"{}"
+    server = _Trickling(_answer(body, b"Content-Length: 2"), before=0, pause_s=0.005)
+    try:
+        transport = HttpTransport(f"http://127.0.0.1:{server.port}", timeout_s=0.3, deadline_s=5)
+        assert transport.post("/x", {}, token="t").status == 200
+        transport.close()
+    finally:
+        server.close()
 
 
 def test_a_header_injection_in_the_token_is_refused(scripted: Any) -> None:
@@ -465,6 +636,13 @@ class _Resetting:
         self.sent: list[bytes] = []
         self.sock = self
         self.reader = self
+        self.raw = self
+
+    def arm(self, deadline: float) -> None:
+        pass
+
+    def bound(self) -> None:
+        pass
 
     def sendall(self, data: bytes) -> None:
         self.sent.append(data)
@@ -504,7 +682,7 @@ def test_a_reused_connection_reset_is_sent_again_only_before_any_byte_of_an_answ
     transport = HttpTransport("http://127.0.0.1:9")
     cut, fresh = _Resetting(cut_answer), _Resetting(_answer(b"{}", b"Content-Length: 2"))
     transport._idle.append((cut, time.monotonic()))  # type: ignore[arg-type]  # kept alive
-    monkeypatch.setattr(transport, "_connect", lambda: fresh)
+    monkeypatch.setattr(transport, "_connect", lambda deadline: fresh)
     if sent_again:
         assert transport.post("/x", {}, token="t").status == 200
     else:
