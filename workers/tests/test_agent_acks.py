@@ -557,3 +557,101 @@ def test_with_two_requests_in_flight_the_second_goes_at_once() -> None:
     first.join(5)
     second.join(5)
     assert plane.paths() == ["acks", "acks"]
+
+
+# ---------------------------------------------------------------- linger
+# A busy Session's ACK that gates nothing waits up to `linger_s` for others
+# to share its request (workers/agent/acks.py). The tests give it a linger
+# far longer than they wait, so only the rule under test can end it.
+
+LONG = 60.0
+
+
+def _busy(sender: AckSender, plane: Plane) -> None:
+    """One request sent just now: the Session is busy."""
+    sender.post_many([("9" * 64, body("running", executor_handle="x")), ("9" * 64, body("x"))])
+    plane.calls.clear()
+
+
+def _post_in_thread(sender: AckSender, items: list[tuple[str, dict[str, Any]]]) -> threading.Thread:
+    thread = threading.Thread(target=sender.post_many, args=(items,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_busy_sessions_outcome_waits_for_company_and_shares_its_request() -> None:
+    plane = Plane()
+    sender = AckSender(plane, token="s", max_items=4, linger_s=LONG)
+    _busy(sender, plane)
+    first = _post_in_thread(sender, [("1" * 64, body("running", executor_handle="x"))])
+    first.join(0.3)
+    assert first.is_alive() and plane.calls == []  # lingering: nothing sent yet
+    second = _post_in_thread(sender, [("2" * 64, body("succeeded", exit_code=0))])
+    second.join(0.3)
+    assert second.is_alive() and plane.calls == []
+    # The request is full once a fourth item is queued: it goes at once, all in one.
+    last = _post_in_thread(
+        sender, [("3" * 64, body("running", executor_handle="x")), ("3" * 64, body("failed"))]
+    )
+    for thread in (first, second, last):
+        thread.join(5)
+        assert not thread.is_alive()
+    assert plane.paths() == ["acks"]
+    assert [item["offer_id"][0] for item in plane.calls[0][1]["acks"]] == ["1", "2", "3", "3"]
+
+
+def test_a_starting_ack_never_waits_and_takes_the_lingering_ones_along() -> None:
+    plane = Plane()
+    sender = AckSender(plane, token="s", linger_s=LONG)
+    _busy(sender, plane)
+    lingering = _post_in_thread(sender, [("1" * 64, body("succeeded", exit_code=0))])
+    lingering.join(0.3)
+    assert lingering.is_alive()
+    starting = _post_in_thread(sender, [("2" * 64, body("starting"))])
+    for thread in (starting, lingering):
+        thread.join(5)
+        assert not thread.is_alive()
+    assert plane.paths() == ["acks"]
+    assert [item["phase"] for item in plane.calls[0][1]["acks"]] == ["succeeded", "starting"]
+
+
+def test_an_idle_sessions_ack_goes_at_once() -> None:
+    plane = Plane()
+    sender = AckSender(plane, token="s", linger_s=LONG)
+    # Nothing sent yet: not busy.
+    alone = _post_in_thread(sender, [("1" * 64, body("succeeded", exit_code=0))])
+    alone.join(5)
+    assert not alone.is_alive()
+    # Nothing sent within the busy window: not busy either.
+    sender._last_sent = time.monotonic() - 1.0
+    again = _post_in_thread(sender, [("2" * 64, body("succeeded", exit_code=0))])
+    again.join(5)
+    assert not again.is_alive()
+    assert plane.paths() == ["ack", "ack"]
+
+
+def test_an_ack_handed_over_during_a_request_does_not_linger_after_it() -> None:
+    plane = Plane()
+    sender = AckSender(plane, token="s", linger_s=LONG)
+    plane.gate = threading.Event()
+    first = _post_in_thread(
+        sender, [("1" * 64, body("running", executor_handle="x")), ("1" * 64, body("x"))]
+    )
+    assert plane.entered.wait(5)
+    queued = _post_in_thread(sender, [("2" * 64, body("succeeded", exit_code=0))])
+    queued.join(0.2)
+    plane.gate.set()  # the request in flight ends: the queued ACK goes next, at once
+    for thread in (first, queued):
+        thread.join(5)
+        assert not thread.is_alive()
+    assert plane.paths() == ["acks", "ack"]
+
+
+def test_with_no_linger_a_busy_sessions_ack_goes_at_once() -> None:
+    plane = Plane()
+    sender = AckSender(plane, token="s", linger_s=0)
+    _busy(sender, plane)
+    alone = _post_in_thread(sender, [("1" * 64, body("succeeded", exit_code=0))])
+    alone.join(5)
+    assert not alone.is_alive()
+    assert plane.paths() == ["ack"]
