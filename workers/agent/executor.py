@@ -215,14 +215,15 @@ _EXITS = _ExitWatcher()
 
 # The guard's whole program, run by `python -I -S -c` (nothing of the agent
 # imported): argv[1] is its end of the socket pair. Each message carries one
-# pidfd (a child to kill with the agent); EOF is the agent process gone. A
-# child's pidfd is dropped once it exits. SIGINT/SIGTERM/SIGHUP (the agent's
-# process group's, e.g. a terminal's or a service manager's) are ignored: the
-# guard outlives the agent's shutdown, its end is the agent's. It holds one fd
-# per running child, so its soft RLIMIT_NOFILE goes up to the hard limit; a
-# pidfd the kernel could not hand it past that limit (MSG_CTRUNC: the message
-# came, its fd was closed) is a child it does not hold, and it tells the agent
-# ("full"), which then covers no more children with this guard.
+# pidfd (a child to kill with the agent) and a tag; EOF is the agent process
+# gone. A child's pidfd is dropped once it exits. SIGINT/SIGTERM/SIGHUP (the
+# agent's process group's, e.g. a terminal's or a service manager's) are
+# ignored: the guard outlives the agent's shutdown, its end is the agent's. It
+# holds one fd per running child, so its soft RLIMIT_NOFILE goes up to the
+# hard limit. Every message is answered, with its tag: "held", or "full" for
+# a pidfd the kernel could not hand it past that limit (MSG_CTRUNC: the
+# message came, its fd was closed), a child it does not hold. The agent waits
+# for the answer of each child it hands over (`_Guard.cover`).
 _GUARD_PROGRAM = """
 import os, resource, select, signal, socket, sys
 for name in ("SIGINT", "SIGTERM", "SIGHUP"):
@@ -245,7 +246,7 @@ while True:
             held.discard(fd)
             continue
         try:
-            message, fds, flags, _ = socket.recv_fds(agent, 16, 16)
+            message, fds, flags, _ = socket.recv_fds(agent, 64, 16)
         except OSError:  # ECONNRESET: the agent gone with an answer unread
             message, fds, flags = b"", [], 0
         if not message and not fds:
@@ -258,20 +259,29 @@ while True:
         for pidfd in fds:
             held.add(pidfd)
             epoll.register(pidfd, select.EPOLLIN)
-        if flags & socket.MSG_CTRUNC or not fds:
-            try:
-                agent.send(b"full", socket.MSG_DONTWAIT)
-            except OSError:
-                pass
+        answer = b"full " if flags & socket.MSG_CTRUNC or not fds else b"held "
+        try:
+            agent.send(answer + message, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
 """
 
 
 class _Cover(enum.Enum):
     """What became of a child handed to the death guard."""
 
-    HELD = "held"  # the guard holds its pidfd
+    HELD = "held"  # a guard said it holds its pidfd
     MISSED = "missed"  # this child only (the agent out of fds a moment): the next spawn tries again
     REFUSED = "refused"  # no guard takes children now: the spawner turns to the signal
+
+
+# How long a cover waits for the guard's answer for its child (it comes in
+# well under a millisecond): past it the guard is stopped or starved, and the
+# spawner turns to the parent-death signal.
+_COVER_ANSWER_S = 0.5
+# Guards at their fd limit are kept (with the children they hold) and another
+# takes the next children; past this many in all, children get the signal.
+_MAX_GUARDS = 4
 
 
 # pidfd_open's errors that pass: the agent (or the box) out of fds or memory
@@ -291,18 +301,28 @@ class _Guard:
     a pidfd of a just-spawned child: race-free whatever becomes of the pid.
     Like setpriv's prctl, the cover comes just after the spawn: an agent
     killed in between leaves that child to the restarted agent's orphan
-    handling (docs/adr/0008). A guard that died is reaped at once (the exit
-    watcher, by its pid alone) and replaced at the next cover; the children
-    it held are no longer covered. A guard that said it is full (its fd
-    limit) is kept, with what it holds, and covers nothing more."""
+    handling (docs/adr/0008). Each cover waits (`_COVER_ANSWER_S` at most)
+    for the guard's answer for that child, so what it returns is what the
+    guard did. A guard that died is reaped at once (the exit watcher, by its
+    pid alone) and replaced at the next cover; the children it held are no
+    longer covered. A guard that answers "full" for a child (its fd limit) is
+    retired — kept, with what it holds — and a new guard takes that very
+    child and the next ones (`_MAX_GUARDS` in all; past that the last one is
+    kept and covers nothing more). A guard that does not answer in time
+    (stopped, starved) is kept and covers nothing more until its answer came."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._poll: Any = None  # select.poll of the current guard's socket
         self._owner = 0  # the pid of the process that started it (a fork starts its own)
         self._full = False
         self._atexit = False
+        # Full guards, kept: their sockets stay open (closing one kills what it holds).
+        self._retired: list[tuple[socket.socket, subprocess.Popen[bytes]]] = []
+        self._tags = itertools.count(1)
+        self._unanswered = b""  # the tag whose answer did not come in time
 
     @property
     def pid(self) -> int | None:
@@ -321,6 +341,8 @@ class _Guard:
     def _start_locked(self) -> bool:
         if self._socket is not None and self._owner == os.getpid():
             return True
+        if self._owner != os.getpid():
+            self._retired = []  # a fork's parent's guards are not this process's
         if not sys.platform.startswith("linux") or not all(
             (
                 hasattr(os, "pidfd_open"),
@@ -352,7 +374,10 @@ class _Guard:
             ours.close()
             return False
         self._socket, self._process, self._owner = ours, process, os.getpid()
+        self._poll = select.poll()
+        self._poll.register(ours, select.POLLIN)
         self._full = False
+        self._unanswered = b""
         # Reaped as soon as it dies, not at the next spawn: by its own pid
         # (Popen.poll), never a wait for any child that could take a Run's.
         _EXITS.watch(process.pid, functools.partial(self._reap, process))
@@ -366,6 +391,11 @@ class _Guard:
             if process is self._process and self._owner == os.getpid():
                 self._drop_locked()  # the next cover starts another
                 return
+            for index, (ours, retired) in enumerate(self._retired):
+                if retired is process:
+                    ours.close()
+                    del self._retired[index]
+                    break
         with contextlib.suppress(OSError):
             process.poll()
 
@@ -374,11 +404,17 @@ class _Guard:
         runners, ended): the guard told the agent's end, as a death would,
         and reaped."""
         with self._lock:
-            process = self._process if self._owner == os.getpid() else None
+            ours = self._owner == os.getpid()
+            processes = [process for _, process in self._retired] if ours else []
+            if self._process is not None and ours:
+                processes.append(self._process)
+            for retired, _ in self._retired:
+                retired.close()
             if self._socket is not None:
                 self._socket.close()
-            self._socket = self._process = None
-        if process is not None:
+            self._socket = self._process = self._poll = None
+            self._retired = []
+        for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=2)
 
@@ -393,41 +429,71 @@ class _Guard:
             return _Cover.MISSED if err.errno in _TRANSIENT else _Cover.REFUSED
         try:
             with self._lock:
-                for _ in range(2):  # a guard that died is replaced once
+                for _ in range(3):  # a guard that died or is full is replaced (twice at most)
                     if not self._start_locked():
                         return _Cover.REFUSED
                     assert self._socket is not None
-                    if self._full or self._said_full_locked():
+                    if self._full:
                         return _Cover.REFUSED
+                    if self._unanswered and self._answer_locked(self._unanswered, 0) is None:
+                        return _Cover.REFUSED  # still silent: nothing more to it yet
+                    self._unanswered = b""
+                    tag = b"%d" % next(self._tags)
                     try:
-                        socket.send_fds(self._socket, [b"p"], [pidfd], socket.MSG_NOSIGNAL)
+                        socket.send_fds(self._socket, [tag], [pidfd], socket.MSG_NOSIGNAL)
                     except (BrokenPipeError, ConnectionResetError):
                         self._drop_locked()  # the guard is gone: replaced
                         continue
                     except OSError:
                         # The guard lives but takes nothing now (stopped, its
-                        # queue full): never wait on it with the lock held
-                        # (every spawn would), nor drop it (its end of the
-                        # socket closing, it would kill the children it holds).
+                        # queue full): never drop it (its end of the socket
+                        # closing, it would kill the children it holds).
                         return _Cover.REFUSED
-                    return _Cover.HELD
+                    answer = self._answer_locked(tag, _COVER_ANSWER_S)
+                    if answer == b"held":
+                        return _Cover.HELD
+                    if answer is None:
+                        # Stopped or starved: the lock is not held longer
+                        # (every spawn would wait), the pidfd stays queued
+                        # for it, and it covers nothing until it answered.
+                        self._unanswered = tag
+                        return _Cover.REFUSED
+                    if answer == b"":
+                        self._drop_locked()  # it died with the pidfd unread: replaced
+                        continue
+                    # "full": this child is not held. The guard is kept with
+                    # what it holds; a new one takes this child, and the next.
+                    if len(self._retired) + 1 >= _MAX_GUARDS:
+                        self._full = True
+                        return _Cover.REFUSED
+                    assert self._process is not None
+                    self._retired.append((self._socket, self._process))
+                    self._socket = self._process = self._poll = None
                 return _Cover.REFUSED
         finally:
             os.close(pidfd)
 
-    def _said_full_locked(self) -> bool:
-        """Whether the guard answered "full": a pidfd it could not take past
-        its fd limit (one non-blocking read per cover, nothing waiting)."""
-        assert self._socket is not None
+    def _answer_locked(self, tag: bytes, wait_s: float) -> bytes | None:
+        """The guard's answer for `tag` ("held", "full"; b"" if it ended),
+        None if it did not come within `wait_s`. Late answers of earlier
+        tags are passed over."""
+        assert self._socket is not None and self._poll is not None
+        deadline = time.monotonic() + wait_s
         while True:
             try:
-                answer = self._socket.recv(16, socket.MSG_DONTWAIT)
+                answer = self._socket.recv(64, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._poll.poll(remaining * 1000):
+                    return None
+                continue
             except OSError:
-                return self._full  # nothing waiting (or the send will tell)
+                return b""
             if not answer:
-                return self._full  # the guard ended: the send replaces it
-            if answer == b"full":
-                self._full = True
+                return b""
+            verdict, _, answered = answer.partition(b" ")
+            if answered == tag:
+                return verdict
 
     def _drop_locked(self) -> None:
         if self._socket is not None:
@@ -435,7 +501,7 @@ class _Guard:
         if self._process is not None and self._owner == os.getpid():
             with contextlib.suppress(OSError):
                 self._process.poll()  # reaped if it died
-        self._socket = self._process = None
+        self._socket = self._process = self._poll = None
 
 
 _GUARD = _Guard()
@@ -626,9 +692,12 @@ class ProcessSpawner:
     asked, the fallbacks' tests; `death_guard`: another than the agent
     process's own, the guard's tests), else `setpriv --pdeathsig`, else a
     `preexec_fn` (`setpriv=False`: the preexec_fn even where setpriv has it).
-    A guard that takes no more children turns the spawner to the signal for
-    good; a child it missed for a passing reason (the agent out of fds a
-    moment) runs uncovered alone, and the next spawn is guarded again.
+    A guard at its fd limit hands over to a new guard (the cover waits for
+    the guard's answer, so the very child it could not take goes to the new
+    one); a guard that takes no more children (stopped, or `_MAX_GUARDS`
+    full ones) turns the spawner to the signal for good, known at that
+    child's cover; a child missed for a passing reason (the agent out of fds
+    a moment) runs uncovered alone, and the next spawn is guarded again.
     """
 
     def __init__(
@@ -720,9 +789,11 @@ class ProcessSpawner:
             output.close()
             raise OSError(str(err)) from None
         if guarded and self._death_guard.cover(popen.pid) is _Cover.REFUSED:
-            # No guard takes children now: this child runs uncovered (like
-            # one whose agent died before setpriv's prctl); the next ones get
-            # the parent-death signal. A child MISSED (the agent out of fds
-            # a moment) runs uncovered alone: the next spawn is guarded.
+            # No guard took it (its answer said so, or never came): this
+            # child runs uncovered (like one whose agent died before
+            # setpriv's prctl; a stopped guard takes it if it goes on); the
+            # next ones get the parent-death signal. A child MISSED (the
+            # agent out of fds a moment) runs uncovered alone: the next
+            # spawn is guarded.
             self._fall_back()
         return LocalProcess(popen, output, offer_id=offer_id)

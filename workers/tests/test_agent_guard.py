@@ -1,9 +1,11 @@
 """The agent's death guard (workers/agent/executor.py, `_Guard`): it kills the
 children with the agent process, not with their thread; it runs in "/"; a
-guard that dies is reaped at once and replaced at the next spawn; a stopped or
-full guard never blocks a spawn and turns the spawner to the parent-death
-signal, keeping the children it holds; a child missed for a passing reason
-(the agent out of fds) leaves the spawner guarded. Tests that kill, stop or
+guard that dies is reaped at once and replaced at the next spawn; a full guard
+hands the child it could not take, and the next, to a new guard; a stopped
+guard never blocks a spawn for longer than the wait for its answer and turns
+the spawner to the parent-death signal, keeping the children it holds; a
+child missed for a passing reason (the agent out of fds) leaves the spawner
+guarded. Tests that kill, stop or
 fill a guard give their spawner one of its own (`own_guard`), never the
 process's, which the other tests' spawners share."""
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import resource
 import select
@@ -77,6 +80,10 @@ def _state(pid: int) -> str | None:
 
 def _alive(pid: int) -> bool:
     return _state(pid) not in (None, "Z")
+
+
+def _dead(pid: int) -> bool:
+    return not _alive(pid)
 
 
 def _held_by(guard: int) -> set[int]:
@@ -188,9 +195,11 @@ def test_a_killed_guard_is_reaped_at_once_and_replaced_at_the_next_spawn(
 def test_a_stopped_guard_never_blocks_a_spawn_and_keeps_its_children(
     tmp_path: Path, own_guard
 ) -> None:
-    """A guard that takes nothing (SIGSTOP) fills its socket's queue: the
-    spawns go on uncovered, then with the parent-death signal; the guard is
-    kept, and when it goes on it still holds (and has not killed) its child."""
+    """A guard that takes nothing (SIGSTOP) does not answer: the spawn waits
+    for its answer no longer than `_COVER_ANSWER_S`, its child goes on
+    uncovered (queued for the guard), the next ones with the parent-death
+    signal; the guard is kept, and when it goes on it still holds (and has
+    not killed) its child."""
     spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
     assert spawner.guarded
     guard = _pid(own_guard)
@@ -215,11 +224,13 @@ def test_a_stopped_guard_never_blocks_a_spawn_and_keeps_its_children(
                 spawned += 1
 
         worker = threading.Thread(target=spawn_until_uncovered, daemon=True)
+        started = time.monotonic()
         worker.start()
         worker.join(60)
         assert not worker.is_alive(), f"a spawn waited on the stopped guard after {spawned}"
         assert not spawner.guarded
-        assert spawned < 5000
+        assert spawned == 1  # the first spawn's cover knew
+        assert time.monotonic() - started < executor._COVER_ANSWER_S + 5
         assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
     finally:
         os.kill(guard, signal.SIGCONT)
@@ -237,14 +248,23 @@ def _first_free_fd(pid: int) -> int:
     return next(fd for fd in range(len(used) + 1) if fd not in used)
 
 
+def _fill(guard: int) -> None:
+    """No room left in the guard's fd table: the next pidfd sent to it is
+    closed by the kernel on the way (MSG_CTRUNC)."""
+    limit = _first_free_fd(guard)
+    resource.prlimit(guard, resource.RLIMIT_NOFILE, (limit, limit))
+
+
 @linux_only
-def test_a_guard_at_its_fd_limit_says_so_and_the_spawner_turns_to_the_signal(
+def test_a_child_a_full_guard_could_not_take_goes_to_a_new_guard_at_once(
     tmp_path: Path, own_guard
 ) -> None:
     """Past its RLIMIT_NOFILE the kernel cannot hand the guard a pidfd (the
     message comes, MSG_CTRUNC, the fd closed): that child is not held. The
-    guard says so; the next spawn is not handed to it but gets the
-    parent-death signal, and the guard keeps (and has not killed) what it holds."""
+    cover waits for the guard's answer (reviewer R8), so that very child is
+    handed to a new guard before the spawn returns, and the spawner stays
+    guarded; the full guard is kept, with (and without killing) what it holds,
+    and both kill their children when the agent's end closes."""
     spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
     assert spawner.guarded
     guard = _pid(own_guard)
@@ -252,36 +272,126 @@ def test_a_guard_at_its_fd_limit_says_so_and_the_spawner_turns_to_the_signal(
     spawned: list[LocalProcess] = [first]
     try:
         eventually(lambda: first.pid in _held_by(guard), 10, "the guard holds the first child")
-        # Room for exactly one more fd: the next child's pidfd.
-        limit = _first_free_fd(guard) + 1
-        resource.prlimit(guard, resource.RLIMIT_NOFILE, (limit, limit))
-        held = spawner(a_spec(command=["sleep", "60"]))
-        spawned.append(held)
-        eventually(lambda: held.pid in _held_by(guard), 10, "the guard holds the second child")
-        # The third is dropped; the guard's answer reaches the spawner by a later spawn.
-        deadline = time.monotonic() + 20  # however slow a loaded box makes the guard
-        while spawner.guarded and time.monotonic() < deadline:
-            spawned.append(spawner(a_spec(command=["sleep", "60"])))
-            time.sleep(0.05)
-        assert not spawner.guarded, "the guard dropped children and nobody knew"
-        assert _held_by(guard) == {first.pid, held.pid}
-        assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
-        assert own_guard.pid == guard
+        _fill(guard)
+        second = spawner(a_spec(command=["sleep", "60"]))
+        spawned.append(second)
+        # At once, no later spawn needed: the guard's answers came with the covers.
+        new = _pid(own_guard)
+        assert new != guard
+        assert second.pid in _held_by(new)
+        assert _held_by(guard) == {first.pid}
+        assert spawner.guarded
+        assert _signal_of_child(spawner) == "0"
+        third = spawner(a_spec(command=["sleep", "60"]))
+        spawned.append(third)
+        assert third.pid in _held_by(new)
+        assert _alive(guard)
         assert _alive(first.pid)
-        assert _alive(held.pid)
         # The agent gone with an answer of the guard's unread (its recv is
         # then reset, not ended): the guard still kills what it holds.
         ours = own_guard._socket
         assert ours is not None
         pidfd = os.pidfd_open(first.pid)
         try:
-            socket.send_fds(ours, [b"p"], [pidfd])
+            socket.send_fds(ours, [b"x"], [pidfd])
         finally:
             os.close(pidfd)
         assert select.select([ours], [], [], 10)[0], "the guard answered"
         own_guard.stop()
-        eventually(lambda: not _alive(first.pid), 10, "the guard killed the first child")
-        eventually(lambda: not _alive(held.pid), 10, "the guard killed the second child")
+        for pid in [process.pid for process in spawned]:
+            eventually(functools.partial(_dead, pid), 10, "a guard killed the child")
+        eventually(lambda: not _alive(guard), 10, "the full guard ended with the agent")
+    finally:
+        for process in spawned:
+            _end(process)
+
+
+# The stand-in again, whose guard fills up after one child: prints the pids
+# of the two children and of the first guard, then waits to be killed.
+_STAND_IN_FULL = """
+import resource, sys, time
+from pathlib import Path
+from workers.agent import executor
+spawner = executor.ProcessSpawner(Path(sys.argv[1]))
+first = spawner({"command": ["sleep", "60"], "env": {}})
+guard = executor.death_guard_pid()
+def held():
+    pids = set()
+    for info in Path(f"/proc/{guard}/fdinfo").iterdir():
+        pids.update(int(line.split()[1]) for line in info.read_text().splitlines()
+                    if line.startswith("Pid:"))
+    return pids
+deadline = time.monotonic() + 10
+while first.pid not in held() and time.monotonic() < deadline:
+    time.sleep(0.01)
+used = {int(path.name) for path in Path(f"/proc/{guard}/fd").iterdir()}
+limit = next(fd for fd in range(len(used) + 1) if fd not in used)
+resource.prlimit(guard, resource.RLIMIT_NOFILE, (limit, limit))
+second = spawner({"command": ["sleep", "60"], "env": {}})
+print(first.pid, second.pid, guard, flush=True)
+time.sleep(120)
+"""
+
+
+@linux_only
+def test_a_kill_9_of_the_agent_kills_the_child_its_full_guard_could_not_take(
+    tmp_path: Path,
+) -> None:
+    """No orphan, even of the child that hit the guard's fd limit: it was
+    handed to a new guard at its spawn, and the agent's kill -9 takes it too."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _STAND_IN_FULL, str(tmp_path)],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    children: list[int] = []
+    try:
+        assert agent.stdout is not None
+        first, second, guard = (int(part) for part in agent.stdout.readline().split())
+        children = [first, second]
+        eventually(_is_running(second, ["sleep", "60"]), 10, "sleep exec'd")
+        assert _held_by(guard) == {first}
+        agent.kill()
+        agent.wait(10)
+        eventually(lambda: not _alive(first), 10, "the full guard killed the first child")
+        eventually(lambda: not _alive(second), 10, "the new guard killed the second child")
+        eventually(lambda: not _alive(guard), 10, "the full guard ended with the agent")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        if agent.stdout is not None:
+            agent.stdout.close()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@linux_only
+def test_past_the_last_guard_the_child_it_could_not_take_is_known_at_once(
+    tmp_path: Path, own_guard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No new guard to hand it to (`_MAX_GUARDS`): the cover of the child the
+    full guard could not take says so (reviewer R8: it said HELD, and the
+    spawner knew only at a later spawn), the spawner turns to the signal
+    from the next spawn on, and the guard keeps what it holds."""
+    monkeypatch.setattr(executor, "_MAX_GUARDS", 1, raising=False)
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    guard = _pid(own_guard)
+    first = spawner(a_spec(command=["sleep", "60"]))
+    spawned: list[LocalProcess] = [first]
+    try:
+        eventually(lambda: first.pid in _held_by(guard), 10, "the guard holds the first child")
+        _fill(guard)
+        spawned.append(spawner(a_spec(command=["sleep", "60"])))
+        assert not spawner.guarded, "the guard dropped a child and nobody knew"
+        assert _held_by(guard) == {first.pid}
+        assert own_guard.pid == guard
+        assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+        assert _alive(first.pid)
     finally:
         for process in spawned:
             _end(process)
