@@ -123,23 +123,27 @@ class _Raw(io.RawIOBase):
         return True
 
     def arm(self, deadline: float) -> None:
-        """A new request on this connection: its deadline, the whole timeout again."""
+        """A new request on this connection: its deadline, and the timeout
+        for its send (the whole timeout again, unless the deadline is nearer)."""
         self.deadline = deadline
-        if self.lowered:
+        remaining = deadline - time.monotonic()
+        if remaining < self.timeout_s:
+            self._lower(remaining)
+        elif self.lowered:
             self.sock.settimeout(self.timeout_s)
             self.lowered = False
 
-    def bound(self) -> None:
+    def _lower(self, remaining: float) -> None:
         """The next socket operation waits no longer than the deadline allows."""
-        remaining = self.deadline - time.monotonic()
-        if remaining < self.timeout_s:
-            if remaining <= 0:
-                raise TimeoutError("the request's deadline passed")
-            self.sock.settimeout(remaining)
-            self.lowered = True
+        if remaining <= 0:
+            raise TimeoutError("the request's deadline passed")
+        self.sock.settimeout(remaining)
+        self.lowered = True
 
     def readinto(self, buffer: Any) -> int:
-        self.bound()
+        remaining = self.deadline - time.monotonic()
+        if remaining < self.timeout_s:
+            self._lower(remaining)
         return self.sock.recv_into(buffer)
 
 
@@ -275,7 +279,6 @@ class HttpTransport:
                 if connection is None:
                     connection = self._connect(deadline)
                 connection.raw.arm(deadline)
-                connection.raw.bound()
                 connection.sock.sendall(request)
                 answer = _read_answer(connection.reader)
             except (_Closed, *_STALE) as err:
@@ -362,7 +365,7 @@ def _read_answer_from(reader: Any, line: bytes) -> _Answer:
             header = _read_line(reader)
             if header in (b"\r\n", b"\n", b""):
                 break
-            if header[:1] in (b" ", b"\t"):
+            if header[0] in b" \t":
                 # obs-fold (RFC 9112 §5.2): a client may refuse it, and does.
                 raise _Protocol("BadHeaderLine")
             name, colon, value = header.partition(b":")
@@ -416,7 +419,10 @@ def _read_answer_from(reader: Any, line: bytes) -> _Answer:
 
 def _tokens(value: bytes) -> list[bytes]:
     """A header value's comma-separated items, lowercased; empty ones dropped."""
-    return [item for item in (part.strip().lower() for part in value.split(b",")) if item]
+    value = value.strip().lower()
+    if b"," not in value:  # the usual one item
+        return [value] if value else []
+    return [item for item in (part.strip() for part in value.split(b",")) if item]
 
 
 def _read_chunked(reader: Any) -> tuple[bytes | None, bool]:

@@ -641,9 +641,6 @@ class _Resetting:
     def arm(self, deadline: float) -> None:
         pass
 
-    def bound(self) -> None:
-        pass
-
     def sendall(self, data: bytes) -> None:
         self.sent.append(data)
 
