@@ -7,10 +7,11 @@ on Linux, dies with the agent — a courtesy: the journal's reconcile at start
 is what guarantees no orphan outlives a restart (docs/adr/0008).
 
 On Linux with pidfds the courtesy comes from the agent's death guard (`_Guard`):
-a small process started once per agent process that holds a pidfd of every
-child the agent spawned and SIGKILLs those still running when the agent
-process is gone (its end of a socket pair closes: any death, kill -9
-included). The child is the spec's command alone, spawned by `vfork` with no
+a small process started once per agent process (another when one is at its
+fd limit) that holds a pidfd of every child the agent spawned (each handed
+over and answered before the spawn returns) and SIGKILLs those still
+running when the agent process is gone (its end of a socket pair closes:
+any death, kill -9 included). The child is the spec's command alone, spawned by `vfork` with no
 `preexec_fn` and no exec in between: `setpriv --pdeathsig KILL`'s extra exec
 cost about 0.8 ms of CPU per Run, more than the command `true` itself (issue
 12). Where there is no guard, util-linux's `setpriv --pdeathsig KILL` sets
