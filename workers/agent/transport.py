@@ -29,7 +29,8 @@ starts with a space or a tab) is `BadHeaderLine`; a `Transfer-Encoding`
 the request sends no `TE`, so chunked is the only coding a server may apply
 (RFC 9110 §10.1.4) — or one beside a `Content-Length` is
 `BadTransferEncoding`; the tokens of every `Connection` line count (`close`
-in any of them closes).
+in any of them closes); an HTTP/1.0 answer with a `Transfer-Encoding` is
+read, and its connection closed (RFC 9112 §6.1).
 
 Connections are kept alive (issue #12): a few idle connections are kept and
 reused by whichever thread posts next (the heartbeat loop, the runners, the
@@ -402,7 +403,9 @@ def _read_answer_from(reader: Any, line: bytes) -> _Answer:
                 # Chunked alone, never beside a length (RFC 9112 §6.1, §6.3).
                 raise _Protocol("BadTransferEncoding")
             body, complete = _read_chunked(reader)
-            return _Answer(status, body, keep and complete)
+            # An HTTP/1.0 answer with a Transfer-Encoding: its framing may
+            # be faulty, its connection carries nothing more (RFC 9112 §6.1).
+            return _Answer(status, body, keep and complete and version == b"HTTP/1.1")
         if length is not None:
             if length > _MAX_RESPONSE_BYTES:
                 return _Answer(status, None, False)

@@ -379,6 +379,20 @@ def test_an_http_1_0_keep_alive_with_a_close_too_is_not_reused(scripted: Any) ->
     assert transport.connections_opened == 2
 
 
+def test_an_http_1_0_answer_with_transfer_encoding_is_read_and_not_reused(scripted: Any) -> None:
+    """RFC 9112 §6.1: an HTTP/1.0 message with a Transfer-Encoding may have
+    been forwarded without its chunks decoded; its connection is closed."""
+    answer = (
+        b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\n{}\r\n0\r\n\r\n"
+    )
+    server = scripted([answer, answer])
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    assert [transport.post("/x", {}, token="t").status for _ in range(2)] == [200, 200]
+    transport.close()
+    assert transport.connections_opened == 2
+
+
 def test_an_answer_without_length_is_read_to_its_close(scripted: Any) -> None:
     server = scripted(
         [_answer(b'{"to": "the end"}'), _answer(b'{"n": 2}', b"Content-Length: 8")], closing=(0,)
