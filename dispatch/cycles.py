@@ -279,6 +279,10 @@ class PullSnapshot:
     over_delivered: bool
     recoverable: bool
     session_page: tuple[WorkerRecord, ...]
+    # The cycle's first walk, read at that clock when the cycle may claim
+    # (None: not read): neither paused, nor over-delivered, nor anything to
+    # re-deliver, and the Session takes claims.
+    walk: FirstWalk | None = None
 
 
 def pull_snapshot(
@@ -286,16 +290,20 @@ def pull_snapshot(
 ) -> PullSnapshot | None:
     """The lean start of a pull's cycle (PostgreSQL); None: read it the long way.
 
-    Three reads of the plain cycle — the kill switch and the clock, the
-    over-delivered leases, the recovery page, the Session's record — become
-    one: the recovery page and the Worker page of the cycle are then served
-    from it when it found nothing to re-deliver (`orm_ports`). The statement
+    Four reads of the plain cycle — the kill switch and the clock, the
+    over-delivered leases, the recovery page, the Session's record — and its
+    first walk become one: the recovery page and the Worker page of the cycle
+    are then served from it when it found nothing to re-deliver, and its
+    first candidate page's walk when it walked (`orm_ports`). The statement
     is SQL written once (a pull is the hottest request; compiling it as a
     queryset cost 5 ms of CPU), each part the SQL form of its port's filter:
     `leases.selectors.over_delivered_leases`,
     `dispatch.adapters.orm.OrmLeaseRecoverySource` (in session scope, at the
-    statement's own clock), `leases.policy.claimable_sessions_q`; the tests
-    hold each part to its port.
+    statement's own clock), `leases.policy.claimable_sessions_q`, and the
+    walk of `dispatch.adapters.queue.walk_sql` in this scope from this
+    process's turn (`fair_rotation`) at that clock — run only when the cycle
+    may claim (neither paused, nor over-delivered, nor anything to re-deliver,
+    and the Session takes claims); the tests hold each part to its port.
     """
     if connection.vendor != "postgresql" or scope.session is None:
         return None
@@ -303,10 +311,12 @@ def pull_snapshot(
         session_key = uuid.UUID(scope.session.session_id)
     except ValueError:
         return None
-    sql = _snapshot_sql(by_pk=session_pk is not None)
+    sql = _snapshot_sql(scope, by_pk=session_pk is not None)
     params: list[Any] = [_CONTROL_PK, max_deliveries, max_deliveries, session_key]
     if session_pk is not None:
         params.append(session_pk)
+    walk_from = fair_rotation.start()
+    params += walk_params(walk_from, WALK_CAP, scope, workers_ahead=0)
     # Prepared once per connection: planning it cost the server about ten
     # times as much as running it (qinglong.prepared).
     with prepared_cursor() as cursor:
@@ -317,7 +327,7 @@ def pull_snapshot(
     observed_at, paused = row[0], row[1]
     width = len(_SNAPSHOT_SESSION)
     session = _SNAPSHOT_SESSION.load(row[2 : 2 + width])
-    worker_slots, takes_claims, active, over_delivered, recoverable = row[2 + width :]
+    worker_slots, takes_claims, active, over_delivered, recoverable, walked = row[2 + width :]
     session.worker = Worker(pk=session.worker_id, slots=worker_slots)
     record = session_scope_record(
         session, scope, takes_claims=bool(takes_claims), active_leases=int(active)
@@ -328,6 +338,16 @@ def pull_snapshot(
         over_delivered=bool(over_delivered),
         recoverable=bool(recoverable),
         session_page=() if record is None else (record,),
+        walk=(
+            None
+            if walked is None
+            else FirstWalk(
+                start=walk_from,
+                cap=WALK_CAP,
+                workers_ahead=0,
+                rows=tuple(tuple(row) for row in walked),
+            )
+        ),
     )
 
 
@@ -336,11 +356,16 @@ _SNAPSHOT_SESSION = ModelColumns(
     "s",
     only=("id", "session_id", "worker", "generation", "executor_types", "labels", "slots"),
 )
-_SNAPSHOT_SQL: dict[tuple[str, bool], str] = {}
+_SNAPSHOT_SQL: dict[tuple[str, bool, str], str] = {}
+
+# The columns of the session-scope walk read with the snapshot (`walk_sql`
+# with `clock`): its ten and the row's place.
+_SESSION_WALK_COLUMNS = (*(f"w{i}" for i in range(10)), "part", "n")
 
 
-def _snapshot_sql(*, by_pk: bool) -> str:
-    key = (connection.vendor, by_pk)
+def _snapshot_sql(scope: DispatchScope, *, by_pk: bool) -> str:
+    walk_ctes, walk_body, _ = walk_sql(scope, workers_ahead=False, clock=True)
+    key = (connection.vendor, by_pk, walk_ctes)
     found = _SNAPSHOT_SQL.get(key)
     if found is not None:
         return found
@@ -357,18 +382,22 @@ def _snapshot_sql(*, by_pk: bool) -> str:
     lease_active, claimed = state_literal(LeaseState.ACTIVE), state_literal(AttemptState.CLAIMED)
     current = ", ".join(state_literal(state) for state in SESSION_CURRENT_STATES)
     dispatching = state_literal(RunState.DISPATCHING)
+    # The walk's rows as `OrmQueueReader.walk` takes a walk read ahead: its
+    # ten columns and, last, the Worker rows' column (none in session scope).
+    walked = ", ".join(f"wr.{name}" for name in _SESSION_WALK_COLUMNS[:-2])
     found = _SNAPSHOT_SQL[key] = f"""
-        SELECT statement_timestamp(),
-            COALESCE((SELECT c.paused FROM {t(DispatchControl)} c WHERE c.id = %s), false),
-            {_SNAPSHOT_SESSION.select()}, w.slots,
-            (s.state = {online} AND w.admin_state = {active}),
+        WITH RECURSIVE snap AS (SELECT statement_timestamp() AS now,
+            COALESCE((SELECT c.paused FROM {t(DispatchControl)} c WHERE c.id = %s), false)
+                AS paused,
+            {_SNAPSHOT_SESSION.select()}, w.slots AS w_slots,
+            (s.state = {online} AND w.admin_state = {active}) AS takes_claims,
             (SELECT count(*) FROM {t(RunLease)} l
-             WHERE l.session_id = s.id AND l.state = {lease_active}),
+             WHERE l.session_id = s.id AND l.state = {lease_active}) AS active_leases,
             EXISTS (
                 SELECT 1 FROM {t(RunLease)} l JOIN {t(Attempt)} a ON a.id = l.attempt_id
                 WHERE l.session_id = s.id AND l.state = {lease_active} AND l.delivery_count >= %s
                   AND a.state = {claimed}
-            ),
+            ) AS over_delivered,
             EXISTS (
                 SELECT 1 FROM {t(RunLease)} l
                 JOIN {t(Attempt)} a ON a.id = l.attempt_id
@@ -378,9 +407,17 @@ def _snapshot_sql(*, by_pk: bool) -> str:
                   AND l.state = {lease_active} AND a.state = {claimed}
                   AND a.lease_generation = l.lease_generation
                   AND r.state = {dispatching} AND NOT r.cancel_requested AND l.delivery_count < %s
-            )
+            ) AS recoverable
         FROM {t(WorkerSession)} s JOIN {t(Worker)} w ON w.id = s.worker_id
-        WHERE s.session_id = %s {"AND s.id = %s" if by_pk else ""}
+        WHERE s.session_id = %s {"AND s.id = %s" if by_pk else ""}),
+        {walk_ctes}
+        SELECT snap.*,
+            CASE WHEN snap.paused OR snap.over_delivered OR snap.recoverable
+                OR NOT snap.takes_claims THEN NULL
+            ELSE (SELECT COALESCE(json_agg(json_build_array({walked}, NULL)
+                ORDER BY wr.part, wr.n), '[]') FROM ({walk_body})
+                AS wr({", ".join(_SESSION_WALK_COLUMNS)})) END
+        FROM snap
     """  # noqa: S608  (names from model metadata; the states are the models' own constants, checked by state_literal; values are parameters)
     return found
 
@@ -672,7 +709,9 @@ def dispatch_cycle(
             worker_pages=budget.worker_max_pages if scope.kind is Scope.GLOBAL else 1,
             recovery_first_page=None if start is None else start.recovery,
             workers_ahead=ahead,
-            first_walk=None if start is None else start.walk,
+            first_walk=(
+                snapshot.walk if snapshot is not None else None if start is None else start.walk
+            ),
         ),
         secret=str(settings.QINGLONG_LEASE_SECRET).encode(),
         pull=pull,

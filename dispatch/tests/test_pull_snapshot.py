@@ -1,9 +1,10 @@
-"""A pull's lean start (issue #12): one statement instead of four, same answers.
+"""A pull's lean start (issue #12): one statement instead of five, same answers.
 
 `dispatch.cycles.pull_snapshot` reads the kill switch, the clock, whether the
-Session has over-delivered or re-deliverable leases, and the Session's record
-in one statement on PostgreSQL; the cycle then serves its recovery page (when
-there is nothing to re-deliver) and its Worker page from it. These tests hold
+Session has over-delivered or re-deliverable leases, the Session's record
+and, when the cycle may claim, its first walk in one statement on PostgreSQL;
+the cycle then serves its recovery page (when there is nothing to re-deliver),
+its Worker page and its first walk from it (the walk: test_pull_walk.py). These tests hold
 each part to the port it stands in for, in the states that change the
 answer, and count what a pull costs.
 """
@@ -195,15 +196,18 @@ def test_a_pull_with_nothing_to_re_deliver_reads_one_snapshot() -> None:
         result = dispatch_cycle(scope=scope, pull=_pull(), session_pk=session.pk, max_offers=1)
     assert result.counts.claims_won == 1
     statements = [q["sql"] for q in queries.captured_queries]
-    # The snapshot, the candidate read, the claim (BEGIN, two, COMMIT); no
-    # recovery read, no Worker page, no telemetry write, no cycle row.
+    # The snapshot (with the walk), the candidate rows, the claim (BEGIN,
+    # two, COMMIT); no recovery read, no Worker page, no walk of its own, no
+    # telemetry write, no cycle row.
     lease_reads = [s for s in statements if s.startswith('SELECT "dispatch_runlease"')]
     worker_pages = [s for s in statements if s.startswith('SELECT "workers_workersession"')]
     snapshots = [s for s in statements if '"dispatch_dispatchcontrol"' in s]
     assert (lease_reads, worker_pages, len(snapshots)) == ([], [], 1), statements
     assert not any(s.startswith("UPDATE") for s in statements), statements
+    walks = [s for s in statements if "after_walk(" in s]
+    assert walks == snapshots, statements
     print(f"\npull claiming 1: {len(statements)} statements")
-    assert len(statements) <= 8, statements
+    assert len(statements) == 6, statements
 
 
 @pytest.mark.postgres
@@ -256,9 +260,14 @@ def test_the_prepared_snapshot_names_its_states_as_literals() -> None:
     lease a long-lived Session ever held."""
     from dispatch.cycles import _snapshot_sql
 
+    session = testing.open_session().session
     for by_pk in (False, True):
-        sql = _snapshot_sql(by_pk=by_pk)
-        assert sql.count("l.state = 'active'") == 3, sql
-        # What is left as parameters: the kill switch's key, max_deliveries
-        # twice, the Session's public id (and its key).
-        assert sql.count("%s") == (5 if by_pk else 4), sql
+        sql = _snapshot_sql(_scope(session), by_pk=by_pk)
+        snapshot, walk = sql.split("after_walk(", 1)
+        assert snapshot.count("l.state = 'active'") == 4, sql  # 3, and the servable Session's
+        assert "state = %s" not in sql and "state IN (%s" not in sql, sql
+        # What is left as parameters in its own part: the kill switch's key,
+        # max_deliveries twice, the Session's public id (and its key), and the
+        # servable Session's three; the walk's own nine (its start, its caps).
+        assert snapshot.count("%s") == (8 if by_pk else 7), sql
+        assert walk.count("%s") == 9, sql
