@@ -36,6 +36,7 @@ from django.db import connection
 from django.utils import timezone
 
 from dispatch.adapters.orm import (
+    FirstRows,
     RecoveryFirstPage,
     fair_rotation,
     orm_ports,
@@ -283,27 +284,32 @@ class PullSnapshot:
     # (None: not read): neither paused, nor over-delivered, nor anything to
     # re-deliver, and the Session takes claims.
     walk: FirstWalk | None = None
+    # With the walk: the first servable group's first rows (None: no such group).
+    rows: FirstRows | None = None
 
 
 def pull_snapshot(
-    scope: DispatchScope, *, session_pk: int | None, max_deliveries: int
+    scope: DispatchScope, *, session_pk: int | None, max_deliveries: int, page_size: int = 8
 ) -> PullSnapshot | None:
     """The lean start of a pull's cycle (PostgreSQL); None: read it the long way.
 
     Four reads of the plain cycle — the kill switch and the clock, the
     over-delivered leases, the recovery page, the Session's record — and its
-    first walk become one: the recovery page and the Worker page of the cycle
-    are then served from it when it found nothing to re-deliver, and its
-    first candidate page's walk when it walked (`orm_ports`). The statement
+    first candidate page's walk and rows become one: the recovery page and
+    the Worker page of the cycle are then served from it when it found
+    nothing to re-deliver, and the first walk and the first servable group's
+    rows (`FirstRows`: from its start, at most `page_size` and its rooms)
+    when it walked (`orm_ports`). The statement
     is SQL written once (a pull is the hottest request; compiling it as a
     queryset cost 5 ms of CPU), each part the SQL form of its port's filter:
     `leases.selectors.over_delivered_leases`,
     `dispatch.adapters.orm.OrmLeaseRecoverySource` (in session scope, at the
     statement's own clock), `leases.policy.claimable_sessions_q`, and the
     walk of `dispatch.adapters.queue.walk_sql` in this scope from this
-    process's turn (`fair_rotation`) at that clock — run only when the cycle
-    may claim (neither paused, nor over-delivered, nor anything to re-deliver,
-    and the Session takes claims); the tests hold each part to its port.
+    process's turn (`fair_rotation`) at that clock with the rows read's filter
+    for its first servable group — both run only when the cycle may claim
+    (neither paused, nor over-delivered, nor anything to re-deliver, and the
+    Session takes claims); the tests hold each part to its port.
     """
     if connection.vendor != "postgresql" or scope.session is None:
         return None
@@ -317,6 +323,7 @@ def pull_snapshot(
         params.append(session_pk)
     walk_from = fair_rotation.start()
     params += walk_params(walk_from, WALK_CAP, scope, workers_ahead=0)
+    params += [page_size, page_size, page_size, WALK_CAP]
     # Prepared once per connection: planning it cost the server about ten
     # times as much as running it (qinglong.prepared).
     with prepared_cursor() as cursor:
@@ -327,7 +334,9 @@ def pull_snapshot(
     observed_at, paused = row[0], row[1]
     width = len(_SNAPSHOT_SESSION)
     session = _SNAPSHOT_SESSION.load(row[2 : 2 + width])
-    worker_slots, takes_claims, active, over_delivered, recoverable, walked = row[2 + width :]
+    worker_slots, takes_claims, active, over_delivered, recoverable, walked, first = row[
+        2 + width :
+    ]
     session.worker = Worker(pk=session.worker_id, slots=worker_slots)
     record = session_scope_record(
         session, scope, takes_claims=bool(takes_claims), active_leases=int(active)
@@ -346,6 +355,16 @@ def pull_snapshot(
                 cap=WALK_CAP,
                 workers_ahead=0,
                 rows=tuple(tuple(row) for row in walked),
+            )
+        ),
+        rows=(
+            None
+            if first is None
+            else FirstRows(
+                project_id=str(first[0]),
+                revision_id=str(first[1]),
+                limit=int(first[2]),
+                rows=tuple(tuple(row) for row in first[3]),
             )
         ),
     )
@@ -382,9 +401,13 @@ def _snapshot_sql(scope: DispatchScope, *, by_pk: bool) -> str:
     lease_active, claimed = state_literal(LeaseState.ACTIVE), state_literal(AttemptState.CLAIMED)
     current = ", ".join(state_literal(state) for state in SESSION_CURRENT_STATES)
     dispatching = state_literal(RunState.DISPATCHING)
+    queued, pending = state_literal(RunState.QUEUED), state_literal(AttemptState.PENDING)
     # The walk's rows as `OrmQueueReader.walk` takes a walk read ahead: its
     # ten columns and, last, the Worker rows' column (none in session scope).
-    walked = ", ".join(f"wr.{name}" for name in _SESSION_WALK_COLUMNS[:-2])
+    walked = ", ".join(f"wk.{name}" for name in _SESSION_WALK_COLUMNS[:-2])
+    may_claim = (
+        "NOT (snap.paused OR snap.over_delivered OR snap.recoverable OR NOT snap.takes_claims)"
+    )
     found = _SNAPSHOT_SQL[key] = f"""
         WITH RECURSIVE snap AS (SELECT statement_timestamp() AS now,
             COALESCE((SELECT c.paused FROM {t(DispatchControl)} c WHERE c.id = %s), false)
@@ -410,13 +433,34 @@ def _snapshot_sql(scope: DispatchScope, *, by_pk: bool) -> str:
             ) AS recoverable
         FROM {t(WorkerSession)} s JOIN {t(Worker)} w ON w.id = s.worker_id
         WHERE s.session_id = %s {"AND s.id = %s" if by_pk else ""}),
-        {walk_ctes}
+        {walk_ctes},
+        wk AS MATERIALIZED (SELECT * FROM ({walk_body}) AS wr({", ".join(_SESSION_WALK_COLUMNS)})),
+        fg AS (
+            SELECT c.w0, c.w1, c.w3, c.w4, LEAST(%s,
+                CASE WHEN c.w5 = 0 THEN %s ELSE c.w5 - c.w7 END,
+                CASE WHEN c.w6 = 0 THEN %s ELSE c.w6 - c.w8 END) AS lim
+            FROM (SELECT * FROM wk ORDER BY wk.part, wk.n LIMIT %s) c
+            WHERE c.w9 = 1 AND (c.w5 = 0 OR c.w5 > c.w7) AND (c.w6 = 0 OR c.w6 > c.w8)
+            ORDER BY c.part, c.n LIMIT 1
+        )
         SELECT snap.*,
-            CASE WHEN snap.paused OR snap.over_delivered OR snap.recoverable
-                OR NOT snap.takes_claims THEN NULL
-            ELSE (SELECT COALESCE(json_agg(json_build_array({walked}, NULL)
-                ORDER BY wr.part, wr.n), '[]') FROM ({walk_body})
-                AS wr({", ".join(_SESSION_WALK_COLUMNS)})) END
+            CASE WHEN {may_claim} THEN (SELECT COALESCE(json_agg(json_build_array({walked}, NULL)
+                ORDER BY wk.part, wk.n), '[]') FROM wk) END,
+            CASE WHEN {may_claim} THEN (SELECT json_build_array(fg.w0, fg.w1, fg.lim, (
+                SELECT COALESCE(json_agg(json_build_array(g.id, g.version, g.lease_generation,
+                    g.run_id, g.priority, g.queued_at, g.project_id, g.task_id,
+                    g.task_revision_id, fg.w3, fg.w4)
+                    ORDER BY g.priority DESC, g.queued_at, g.run_id), '[]')
+                FROM (
+                    SELECT a.id, a.version, a.lease_generation, r.id AS run_id, r.priority,
+                        r.queued_at, r.project_id, r.task_id, r.task_revision_id
+                    FROM {t(Run)} r JOIN {t(Attempt)} a ON a.run_id = r.id
+                    WHERE r.state = {queued} AND r.project_id = fg.w0
+                      AND r.task_revision_id = fg.w1 AND a.state = {pending}
+                      AND NOT r.cancel_requested
+                      AND (a.not_before IS NULL OR a.not_before <= statement_timestamp())
+                    ORDER BY r.priority DESC, r.queued_at, r.id LIMIT fg.lim
+                ) g)) FROM fg) END
         FROM snap
     """  # noqa: S608  (names from model metadata; the states are the models' own constants, checked by state_literal; values are parameters)
     return found
@@ -668,7 +712,12 @@ def dispatch_cycle(
     _ensure_no_outer_transaction()
     budget = dispatch_budget()
     snapshot = (
-        pull_snapshot(scope, session_pk=session_pk, max_deliveries=budget.max_deliveries)
+        pull_snapshot(
+            scope,
+            session_pk=session_pk,
+            max_deliveries=budget.max_deliveries,
+            page_size=budget.candidate_page_size,
+        )
         if scope.kind is Scope.SESSION
         else None
     )
@@ -712,6 +761,7 @@ def dispatch_cycle(
             first_walk=(
                 snapshot.walk if snapshot is not None else None if start is None else start.walk
             ),
+            first_rows=None if snapshot is None else snapshot.rows,
         ),
         secret=str(settings.QINGLONG_LEASE_SECRET).encode(),
         pull=pull,

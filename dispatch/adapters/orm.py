@@ -21,7 +21,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, Final
 
@@ -32,7 +32,7 @@ from django.db.models.functions import Coalesce
 from dispatch.adapters.queue import FirstWalk, OrmQueueReader, active_leases_by_session_sql
 from dispatch.core.budget import HARD_CAPS
 from dispatch.core.errors import SpecError
-from dispatch.core.fairness import Rotation, fair_page
+from dispatch.core.fairness import QueueGroup, Rotation, RowsWanted, WalkStart, fair_page
 from dispatch.core.placement import Placement, validate_placement
 from dispatch.core.policy import capacity, free_slots
 from dispatch.core.ports import (
@@ -65,6 +65,7 @@ from workers.models import (
 
 __all__ = [
     "CycleMemo",
+    "FirstRows",
     "OrmCandidateSource",
     "OrmLeaseRecoverySource",
     "OrmPlanSource",
@@ -408,8 +409,94 @@ class CycleMemo:
     # ahead (0: none), and those rows until the Worker source takes them.
     workers_ahead: int = 0
     worker_rows: list[Sequence[Any]] | None = None
-    # The cycle's first walk, read with its first statement (global scope).
+    # The cycle's first walk, read with its first statement (global scope,
+    # or a pull's snapshot), and a pull's first group's rows read with it.
     first_walk: FirstWalk | None = None
+    first_rows: FirstRows | None = None
+
+
+@dataclass(frozen=True)
+class FirstRows:
+    """The first candidates of one queue group read ahead (a pull's snapshot,
+    `dispatch.cycles.pull_snapshot`): the rows `OrmQueueReader.rows` reads for
+    it from its start at the cycle's `observed_at`, at most `limit`, each
+    (attempt id, version, lease generation, run id, priority, queued_at,
+    project id, task id, revision id, revision number, executor type)."""
+
+    project_id: str
+    revision_id: str
+    limit: int
+    rows: tuple[Sequence[Any], ...]
+
+
+class _FirstRowsReader:
+    """A `QueueReader` that serves one group's rows read ahead (`FirstRows`),
+    once, to the first ask for that group from its start within their limit
+    (a prefix of an ordered read is the shorter read), and reads the rest."""
+
+    def __init__(self, reader: OrmQueueReader, first: FirstRows) -> None:
+        self.reader = reader
+        self.first: FirstRows | None = first
+        self._group_of: dict[str, str] = {}
+
+    @property
+    def worker_rows(self) -> list[Sequence[Any]] | None:
+        return self.reader.worker_rows
+
+    def walk(self, *, start: WalkStart | None, cap: int) -> tuple[list[QueueGroup], bool]:
+        return self.reader.walk(start=start, cap=cap)
+
+    def revision_pk(self, candidate: Candidate) -> str:
+        found = self._group_of.get(candidate.attempt_id)
+        return self.reader.revision_pk(candidate) if found is None else found
+
+    def rows(self, wanted: Sequence[RowsWanted]) -> Mapping[str, Sequence[Candidate]]:
+        first, self.first = self.first, None
+        served: list[Candidate] = []
+        rest = list(wanted)
+        if first is not None:
+            for want in wanted:
+                if (
+                    (want.group.project_id, want.group.group_id)
+                    == (first.project_id, first.revision_id)
+                    and want.after is None
+                    and (want.limit <= first.limit or len(first.rows) < first.limit)
+                ):
+                    served = [_first_row_candidate(row) for row in first.rows[: want.limit]]
+                    rest.remove(want)
+                    break
+            else:
+                first = None
+        found = dict(self.reader.rows(rest)) if rest else {}
+        if first is not None:
+            for candidate in served:
+                self._group_of[candidate.attempt_id] = first.revision_id
+            found[first.revision_id] = served
+        return found
+
+
+def _first_row_candidate(row: Sequence[Any]) -> Candidate:
+    attempt_id, version, generation, run_id, priority, queued_at = row[:6]
+    project_id, task_id, _, number, executor_type = row[6:]
+    return Candidate(
+        run_id=str(run_id),
+        attempt_id=str(attempt_id),
+        project_id=str(project_id),
+        task_id=str(task_id),
+        task_revision=int(number),
+        executor_type=str(executor_type),
+        priority=int(priority),
+        queued_at=_json_moment(queued_at),
+        attempt_version=int(version),
+        lease_generation=int(generation),
+    )
+
+
+def _json_moment(value: Any) -> datetime:
+    moment = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    if moment.tzinfo is None:
+        raise ValueError("a queued_at without its offset")
+    return moment.astimezone(UTC)
 
 
 @dataclass(frozen=True)
@@ -526,9 +613,12 @@ class OrmCandidateSource:
         first_walk = None
         if memo is not None and cursor is None:
             first_walk, memo.first_walk = memo.first_walk, None
-        reader = OrmQueueReader(
+        read = OrmQueueReader(
             observed_at=observed_at, scope=scope, workers_ahead=ahead, first_walk=first_walk
         )
+        reader: OrmQueueReader | _FirstRowsReader = read
+        if memo is not None and cursor is None and memo.first_rows is not None:
+            reader, memo.first_rows = _FirstRowsReader(read, memo.first_rows), None
         rotation = fair_rotation if memo is None else memo.rotation
         page = fair_page(reader, cursor=cursor, limit=limit, rotation=rotation)
         if memo is not None:
@@ -914,6 +1004,7 @@ def orm_ports(
     recovery_first_page: RecoveryFirstPage | None = None,
     workers_ahead: int = 0,
     first_walk: FirstWalk | None = None,
+    first_rows: FirstRows | None = None,
 ) -> DispatchPorts:
     """The production wiring of one cycle: ORM sources sharing one `CycleMemo`,
     the one claim path, the database clock (or `clock`, already read).
@@ -927,9 +1018,10 @@ def orm_ports(
     many rows of the Worker snapshot — its pages' rows and one more — which
     its first Worker page then serves (`dispatch.adapters.queue`);
     `first_walk`: that walk, already read with the cycle's first statement
-    (`dispatch.cycles.global_start`), served to its first candidate page.
+    (`dispatch.cycles.global_start`, `pull_snapshot`), served to its first
+    candidate page; `first_rows`: a pull's first group's rows read with it.
     """
-    memo = CycleMemo(workers_ahead=workers_ahead, first_walk=first_walk)
+    memo = CycleMemo(workers_ahead=workers_ahead, first_walk=first_walk, first_rows=first_rows)
     return DispatchPorts(
         recovery=OrmLeaseRecoverySource(
             known_empty=recovery_known_empty, first_page=recovery_first_page

@@ -1,10 +1,11 @@
-"""A pull's lean start (issue #12): one statement instead of five, same answers.
+"""A pull's lean start (issue #12): one statement instead of six, same answers.
 
 `dispatch.cycles.pull_snapshot` reads the kill switch, the clock, whether the
 Session has over-delivered or re-deliverable leases, the Session's record
-and, when the cycle may claim, its first walk in one statement on PostgreSQL;
-the cycle then serves its recovery page (when there is nothing to re-deliver),
-its Worker page and its first walk from it (the walk: test_pull_walk.py). These tests hold
+and, when the cycle may claim, its first walk and its first servable group's
+rows in one statement on PostgreSQL; the cycle then serves its recovery page
+(when there is nothing to re-deliver), its Worker page, its first walk and
+those rows from it (the walk and the rows: test_pull_walk.py). These tests hold
 each part to the port it stands in for, in the states that change the
 answer, and count what a pull costs.
 """
@@ -196,9 +197,9 @@ def test_a_pull_with_nothing_to_re_deliver_reads_one_snapshot() -> None:
         result = dispatch_cycle(scope=scope, pull=_pull(), session_pk=session.pk, max_offers=1)
     assert result.counts.claims_won == 1
     statements = [q["sql"] for q in queries.captured_queries]
-    # The snapshot (with the walk), the candidate rows, the claim (BEGIN,
-    # two, COMMIT); no recovery read, no Worker page, no walk of its own, no
-    # telemetry write, no cycle row.
+    # The snapshot (with the walk and the first group's rows), the claim
+    # (BEGIN, two, COMMIT); no recovery read, no Worker page, no walk or rows
+    # read of its own, no telemetry write, no cycle row.
     lease_reads = [s for s in statements if s.startswith('SELECT "dispatch_runlease"')]
     worker_pages = [s for s in statements if s.startswith('SELECT "workers_workersession"')]
     snapshots = [s for s in statements if '"dispatch_dispatchcontrol"' in s]
@@ -207,7 +208,7 @@ def test_a_pull_with_nothing_to_re_deliver_reads_one_snapshot() -> None:
     walks = [s for s in statements if "after_walk(" in s]
     assert walks == snapshots, statements
     print(f"\npull claiming 1: {len(statements)} statements")
-    assert len(statements) == 6, statements
+    assert len(statements) == 5, statements
 
 
 @pytest.mark.postgres
@@ -268,6 +269,7 @@ def test_the_prepared_snapshot_names_its_states_as_literals() -> None:
         assert "state = %s" not in sql and "state IN (%s" not in sql, sql
         # What is left as parameters in its own part: the kill switch's key,
         # max_deliveries twice, the Session's public id (and its key), and the
-        # servable Session's three; the walk's own nine (its start, its caps).
+        # servable Session's three; the walk's own nine (its start, its caps)
+        # and the first group's four (the page size thrice, the walk's cap).
         assert snapshot.count("%s") == (8 if by_pk else 7), sql
-        assert walk.count("%s") == 9, sql
+        assert walk.count("%s") == 13, sql

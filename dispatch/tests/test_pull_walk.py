@@ -1,12 +1,14 @@
-"""A pull's first walk, read with its snapshot (issue #12): the walk the reader reads.
+"""A pull's first walk and rows, read with its snapshot (issue #12): what the reader reads.
 
 `dispatch.cycles.pull_snapshot` also walks the queue groups (session scope,
 `dispatch.adapters.queue.walk_sql` at the statement's clock, from this
-process's turn) when the cycle may claim, and the cycle's first candidate
-page is served that walk instead of reading it. These tests hold the walk to
-the reader's own at the same clock in the states that change its answer,
-show when it is not read, and race the claim it leads to against another
-connection that takes or cancels the Run between the snapshot and the claim.
+process's turn) when the cycle may claim, and reads the first servable
+group's first rows; the cycle's first candidate page is served that walk and
+those rows instead of reading them. These tests hold the walk and the rows
+to the reader's own at the same clock in the states that change the answer,
+show when they are not read or not served, and race the claim they lead to
+against another connection that takes or cancels the Run between the
+snapshot and the claim.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import secrets
 import threading
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -22,9 +25,9 @@ from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
 from dispatch import cycles
-from dispatch.adapters.orm import fair_rotation
+from dispatch.adapters.orm import FirstRows, _FirstRowsReader, fair_rotation
 from dispatch.adapters.queue import OrmQueueReader
-from dispatch.core.fairness import WALK_CAP
+from dispatch.core.fairness import WALK_CAP, RowsWanted
 from dispatch.core.ports import DispatchScope, PullCredential, SessionRef
 from dispatch.core.result import CycleStatus
 from dispatch.cycles import (
@@ -38,7 +41,8 @@ from leases.ack import AckPhase, lease_ack
 from leases.end import run_cancel
 from leases.models import LeaseState, RunLease
 from qinglong import testing
-from runs.models import Project, Run, RunState
+from qinglong.clock import db_now
+from runs.models import Attempt, Project, Run, RunState
 from workers.models import Worker, WorkerSession
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -200,6 +204,136 @@ def test_a_pull_serves_its_first_walk_and_walks_again_for_a_new_turn(
         assert _pull_and_start(session) == 1
     walks = [q["sql"] for q in queries.captured_queries if "after_walk(" in q["sql"]]
     assert len(walks) == 2 and walks[1].startswith("WITH RECURSIVE servable")
+
+
+def _assert_rows_are_the_readers(session: WorkerSession) -> FirstRows | None:
+    """The snapshot's rows are the first servable group's rows the reader reads
+    alone at that clock, from its start, as many as the page and its rooms allow."""
+    snapshot = _snapshot(session)
+    assert snapshot.walk is not None
+    scope = _scope(session)
+    alone = OrmQueueReader(observed_at=snapshot.observed_at, scope=scope)
+    groups, _ = alone.walk(start=snapshot.walk.start, cap=WALK_CAP)
+    first = next((group for group in groups if group.servable), None)
+    if first is None:
+        assert snapshot.rows is None
+        return None
+    rows = snapshot.rows
+    assert rows is not None
+    assert (rows.project_id, rows.revision_id) == (first.project_id, first.group_id)
+    page = dispatch_budget().candidate_page_size
+    assert rows.limit == min(
+        r for r in (page, first.project_room, first.task_room) if r is not None
+    )
+    wanted = [RowsWanted(first, None, rows.limit)]
+    read = alone.rows(wanted)
+    served = _FirstRowsReader(OrmQueueReader(observed_at=snapshot.observed_at, scope=scope), rows)
+    with CaptureQueriesContext(connection) as queries:
+        got = served.rows(wanted)
+    assert queries.captured_queries == []
+    assert got == read
+    for candidate in got.get(first.group_id, ()):
+        assert served.revision_pk(candidate) == alone.revision_pk(candidate)
+    return rows
+
+
+def test_the_pull_rows_are_the_rows_the_reader_reads_at_that_clock() -> None:
+    worker, _ = testing.make_worker(slots=4)
+    session = testing.open_session(worker).session
+    assert _assert_rows_are_the_readers(session) is None  # nothing queued
+    # The first group (by Project) nobody here can take: the next one's rows.
+    testing.make_run(placement={"required_labels": {"gpu": "yes"}})
+    task = testing.make_task(max_concurrent_runs=3)
+    runs = [testing.make_run(task, priority=p) for p in (0, 5, 0, 5, 1, 0, 0, 0, 0, 0, 0)]
+    rows = _assert_rows_are_the_readers(session)
+    assert rows is not None and rows.limit == 3  # the Task's room
+    assert [row[3] for row in rows.rows] == [runs[1].pk, runs[3].pk, runs[4].pk]
+    # Not eligible now (a retry's backoff), cancel requested: not candidates.
+    Attempt.objects.filter(run=runs[1]).update(not_before=db_now() + timedelta(hours=1))
+    Run.objects.filter(pk=runs[3].pk).update(cancel_requested=True)
+    rows = _assert_rows_are_the_readers(session)
+    assert rows is not None and [row[3] for row in rows.rows] == [
+        runs[4].pk,
+        runs[0].pk,
+        runs[2].pk,
+    ]
+    # The Task without a limit: the page's size.
+    task_free = testing.make_task(task.project)
+    for _ in range(10):
+        testing.make_run(task_free)
+    Project.objects.filter(pk=task.project_id).update(max_concurrent_runs=0)
+    assert _pull_and_start(session) == 1  # a lease in flight: the Task's room is 2
+    rows = _assert_rows_are_the_readers(session)
+    assert rows is not None and rows.limit in (2, dispatch_budget().candidate_page_size)
+    # Nothing servable: the Session full.
+    WorkerSession.objects.filter(pk=session.pk).update(slots=1)
+    assert _assert_rows_are_the_readers(session) is None
+
+
+def test_rows_read_ahead_are_served_once_and_only_for_what_they_answer() -> None:
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    task = testing.make_task()
+    for _ in range(5):
+        testing.make_run(task)
+    other = testing.make_task()
+    testing.make_run(other)
+    snapshot = _snapshot(session)
+    rows = snapshot.rows
+    assert rows is not None and len(rows.rows) == 5 and rows.limit == 8
+    scope = _scope(session)
+    groups, _ = OrmQueueReader(observed_at=snapshot.observed_at, scope=scope).walk(
+        start=snapshot.walk.start if snapshot.walk else None, cap=WALK_CAP
+    )
+    first, second = groups
+    assert first.group_id == rows.revision_id
+
+    def walked(reader: Any) -> Any:
+        reader.walk(start=None, cap=WALK_CAP)  # as fair_page does, first
+        return reader
+
+    def reader() -> _FirstRowsReader:
+        inner = OrmQueueReader(observed_at=snapshot.observed_at, scope=scope)
+        return walked(_FirstRowsReader(inner, rows))
+
+    def reads(served: _FirstRowsReader, wanted: list[RowsWanted]) -> int:
+        with CaptureQueriesContext(connection) as queries:
+            got = served.rows(wanted)
+        alone = walked(OrmQueueReader(observed_at=snapshot.observed_at, scope=scope))
+        assert got == alone.rows(wanted)
+        return len(queries.captured_queries)
+
+    # A shorter ask is a prefix; a longer one than the group has is all of it.
+    assert reads(reader(), [RowsWanted(first, None, 2)]) == 0
+    assert reads(reader(), [RowsWanted(first, None, 20)]) == 0
+    # With another group: that one is read, this one served.
+    assert reads(reader(), [RowsWanted(first, None, 8), RowsWanted(second, None, 8)]) == 1
+    # Another group alone, or this one after a key: read.
+    assert reads(reader(), [RowsWanted(second, None, 8)]) == 1
+    key = (0, db_now() - timedelta(days=1), "0")
+    assert reads(reader(), [RowsWanted(first, key, 8)]) == 1
+    # Once: asked again, it reads.
+    served = reader()
+    assert reads(served, [RowsWanted(first, None, 8)]) == 0
+    assert reads(served, [RowsWanted(first, None, 8)]) == 1
+
+
+def test_a_full_read_ahead_does_not_answer_a_longer_ask() -> None:
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    task = testing.make_task()
+    for _ in range(10):
+        testing.make_run(task)
+    snapshot = _snapshot(session)
+    rows = snapshot.rows
+    assert rows is not None and len(rows.rows) == rows.limit == 8
+    scope = _scope(session)
+    (group,), _ = OrmQueueReader(observed_at=snapshot.observed_at, scope=scope).walk(
+        start=None, cap=WALK_CAP
+    )
+    served = _FirstRowsReader(OrmQueueReader(observed_at=snapshot.observed_at, scope=scope), rows)
+    served.walk(start=None, cap=WALK_CAP)
+    with CaptureQueriesContext(connection) as queries:
+        got = served.rows([RowsWanted(group, None, 9)])
+    assert len(queries.captured_queries) == 1 and len(got[group.group_id]) == 9
 
 
 # ------------------------------------------------- races on real connections

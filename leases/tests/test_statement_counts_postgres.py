@@ -112,7 +112,7 @@ def test_a_success_in_a_project_with_a_webhook_subscription_records_its_delivery
     assert list(WebhookDelivery.objects.values_list("event", flat=True)) == ["run.succeeded"]
 
 
-def test_a_pull_that_claims_one_run_is_six_statements() -> None:
+def test_a_pull_that_claims_one_run_is_five_statements() -> None:
     session = testing.open_session(testing.make_worker(slots=4)[0]).session
     task = testing.make_task()
     for _ in range(4):
@@ -144,11 +144,12 @@ def test_a_pull_that_claims_one_run_is_six_statements() -> None:
     with CaptureQueriesContext(connection) as queries:
         pull()
     # The snapshot (kill switch and clock, over-delivered and re-deliverable
-    # leases, the Session, the first walk: dispatch.cycles.pull_snapshot),
-    # the candidate rows, the claim (BEGIN, lock, guard and writes, COMMIT);
+    # leases, the Session, the first walk and the first servable group's
+    # rows: dispatch.cycles.pull_snapshot), the claim (BEGIN, lock, guard and
+    # writes, COMMIT);
     # the lease is written delivered, so no telemetry write, and the outcome's
     # row is summed (dispatch.cycles.CycleRecorder).
     statements = _statements(queries)
     print(f"\npull claiming 1: {len(statements)} statements")
-    assert len(statements) == 6, statements
-    assert (statements[2], statements[5]) == ("BEGIN", "COMMIT"), statements
+    assert len(statements) == 5, statements
+    assert (statements[1], statements[4]) == ("BEGIN", "COMMIT"), statements
