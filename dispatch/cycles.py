@@ -284,7 +284,8 @@ class PullSnapshot:
     # (None: not read): neither paused, nor over-delivered, nor anything to
     # re-deliver, and the Session takes claims.
     walk: FirstWalk | None = None
-    # With the walk: the first servable group's first rows (None: no such group).
+    # With the walk, when it found exactly one servable group (the candidate
+    # page then asks for that group's rows alone): its first rows (else None).
     rows: FirstRows | None = None
 
 
@@ -297,9 +298,10 @@ def pull_snapshot(
     over-delivered leases, the recovery page, the Session's record — and its
     first candidate page's walk and rows become one: the recovery page and
     the Worker page of the cycle are then served from it when it found
-    nothing to re-deliver, and the first walk and the first servable group's
-    rows (`FirstRows`: from its start, at most `page_size` and its rooms)
-    when it walked (`orm_ports`). The statement
+    nothing to re-deliver, and the first walk and, when it found exactly one
+    servable group (a pull's common case: then the page reads that group's
+    rows alone), that group's first rows (`FirstRows`: from its start, at
+    most `page_size` and its rooms) when it walked (`orm_ports`). The statement
     is SQL written once (a pull is the hottest request; compiling it as a
     queryset cost 5 ms of CPU), each part the SQL form of its port's filter:
     `leases.selectors.over_delivered_leases`,
@@ -307,7 +309,7 @@ def pull_snapshot(
     statement's own clock), `leases.policy.claimable_sessions_q`, and the
     walk of `dispatch.adapters.queue.walk_sql` in this scope from this
     process's turn (`fair_rotation`) at that clock with the rows read's filter
-    for its first servable group — both run only when the cycle may claim
+    for its one servable group — both run only when the cycle may claim
     (neither paused, nor over-delivered, nor anything to re-deliver, and the
     Session takes claims); the tests hold each part to its port.
     """
@@ -438,7 +440,8 @@ def _snapshot_sql(scope: DispatchScope, *, by_pk: bool) -> str:
         fg AS (
             SELECT c.w0, c.w1, c.w3, c.w4, LEAST(%s,
                 CASE WHEN c.w5 = 0 THEN %s ELSE c.w5 - c.w7 END,
-                CASE WHEN c.w6 = 0 THEN %s ELSE c.w6 - c.w8 END) AS lim
+                CASE WHEN c.w6 = 0 THEN %s ELSE c.w6 - c.w8 END) AS lim,
+                count(*) OVER () AS servable
             FROM (SELECT * FROM wk ORDER BY wk.part, wk.n LIMIT %s) c
             WHERE c.w9 = 1 AND (c.w5 = 0 OR c.w5 > c.w7) AND (c.w6 = 0 OR c.w6 > c.w8)
             ORDER BY c.part, c.n LIMIT 1
@@ -460,7 +463,7 @@ def _snapshot_sql(scope: DispatchScope, *, by_pk: bool) -> str:
                       AND NOT r.cancel_requested
                       AND (a.not_before IS NULL OR a.not_before <= statement_timestamp())
                     ORDER BY r.priority DESC, r.queued_at, r.id LIMIT fg.lim
-                ) g)) FROM fg) END
+                ) g)) FROM fg WHERE fg.servable = 1) END
         FROM snap
     """  # noqa: S608  (names from model metadata; the states are the models' own constants, checked by state_literal; values are parameters)
     return found

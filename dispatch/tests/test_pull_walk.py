@@ -207,17 +207,19 @@ def test_a_pull_serves_its_first_walk_and_walks_again_for_a_new_turn(
 
 
 def _assert_rows_are_the_readers(session: WorkerSession) -> FirstRows | None:
-    """The snapshot's rows are the first servable group's rows the reader reads
-    alone at that clock, from its start, as many as the page and its rooms allow."""
+    """With exactly one servable group, the snapshot's rows are that group's rows
+    the reader reads alone at that clock, from its start, as many as the page
+    and its rooms allow; otherwise none are read ahead."""
     snapshot = _snapshot(session)
     assert snapshot.walk is not None
     scope = _scope(session)
     alone = OrmQueueReader(observed_at=snapshot.observed_at, scope=scope)
     groups, _ = alone.walk(start=snapshot.walk.start, cap=WALK_CAP)
-    first = next((group for group in groups if group.servable), None)
-    if first is None:
+    servable = [group for group in groups if group.servable]
+    if len(servable) != 1:
         assert snapshot.rows is None
         return None
+    (first,) = servable
     rows = snapshot.rows
     assert rows is not None
     assert (rows.project_id, rows.revision_id) == (first.project_id, first.group_id)
@@ -257,14 +259,17 @@ def test_the_pull_rows_are_the_rows_the_reader_reads_at_that_clock() -> None:
         runs[0].pk,
         runs[2].pk,
     ]
-    # The Task without a limit: the page's size.
-    task_free = testing.make_task(task.project)
-    for _ in range(10):
-        testing.make_run(task_free)
-    Project.objects.filter(pk=task.project_id).update(max_concurrent_runs=0)
-    assert _pull_and_start(session) == 1  # a lease in flight: the Task's room is 2
+    # A lease in flight: the Task's room is 2; the Project's (1) is less.
+    assert _pull_and_start(session) == 1
     rows = _assert_rows_are_the_readers(session)
-    assert rows is not None and rows.limit in (2, dispatch_budget().candidate_page_size)
+    assert rows is not None and rows.limit == 2
+    Project.objects.filter(pk=task.project_id).update(max_concurrent_runs=2)
+    rows = _assert_rows_are_the_readers(session)
+    assert rows is not None and rows.limit == 1
+    # Two servable groups: the page reads both, so none is read ahead.
+    task_free = testing.make_task(task.project)
+    testing.make_run(task_free)
+    assert _assert_rows_are_the_readers(session) is None
     # Nothing servable: the Session full.
     WorkerSession.objects.filter(pk=session.pk).update(slots=1)
     assert _assert_rows_are_the_readers(session) is None
@@ -275,8 +280,8 @@ def test_rows_read_ahead_are_served_once_and_only_for_what_they_answer() -> None
     task = testing.make_task()
     for _ in range(5):
         testing.make_run(task)
-    other = testing.make_task()
-    testing.make_run(other)
+    # Another group, which no Session here can take (so one group is servable).
+    testing.make_run(placement={"required_labels": {"gpu": "yes"}})
     snapshot = _snapshot(session)
     rows = snapshot.rows
     assert rows is not None and len(rows.rows) == 5 and rows.limit == 8
@@ -315,6 +320,28 @@ def test_rows_read_ahead_are_served_once_and_only_for_what_they_answer() -> None
     served = reader()
     assert reads(served, [RowsWanted(first, None, 8)]) == 0
     assert reads(served, [RowsWanted(first, None, 8)]) == 1
+
+
+def test_a_pull_reads_ahead_only_the_rows_of_a_lone_servable_group() -> None:
+    session = testing.open_session(testing.make_worker(slots=4)[0]).session
+    first = testing.make_task()
+    for _ in range(4):
+        testing.make_run(first)
+    assert _pull_and_start(session) == 1  # warm-up: revision read, outcome row
+    with CaptureQueriesContext(connection) as queries:
+        assert _pull_and_start(session) == 1
+    rows_reads = [q for q in queries.captured_queries if q["sql"].startswith("SELECT a.id")]
+    assert rows_reads == []
+    # A second Project to serve: the page asks for both groups' rows, read
+    # by the candidate source as before, and none is read ahead for nothing.
+    second = testing.make_task()
+    for _ in range(4):
+        testing.make_run(second)
+    assert _snapshot(session).rows is None
+    with CaptureQueriesContext(connection) as queries:
+        assert _pull_and_start(session) == 1
+    rows_reads = [q for q in queries.captured_queries if "CROSS JOIN LATERAL" in q["sql"]]
+    assert len(rows_reads) == 1
 
 
 def test_a_full_read_ahead_does_not_answer_a_longer_ask() -> None:
