@@ -407,11 +407,13 @@ def _snapshot_sql(scope: DispatchScope, *, by_pk: bool) -> str:
     # The walk's rows as `OrmQueueReader.walk` takes a walk read ahead: its
     # ten columns and, last, the Worker rows' column (none in session scope).
     walked = ", ".join(f"wk.{name}" for name in _SESSION_WALK_COLUMNS[:-2])
+    # `snap` is MATERIALIZED: inlined, each of its subqueries (the leases'
+    # EXISTS) would run once per reference — for its column and each CASE.
     may_claim = (
         "NOT (snap.paused OR snap.over_delivered OR snap.recoverable OR NOT snap.takes_claims)"
     )
     found = _SNAPSHOT_SQL[key] = f"""
-        WITH RECURSIVE snap AS (SELECT statement_timestamp() AS now,
+        WITH RECURSIVE snap AS MATERIALIZED (SELECT statement_timestamp() AS now,
             COALESCE((SELECT c.paused FROM {t(DispatchControl)} c WHERE c.id = %s), false)
                 AS paused,
             {_SNAPSHOT_SESSION.select()}, w.slots AS w_slots,

@@ -273,3 +273,6 @@ def test_the_prepared_snapshot_names_its_states_as_literals() -> None:
         # and the first group's four (the page size thrice, the walk's cap).
         assert snapshot.count("%s") == (8 if by_pk else 7), sql
         assert walk.count("%s") == 13, sql
+        # Computed once: inlined, its leases' EXISTS ran for its columns and
+        # again for each CASE that decides whether to walk and read rows.
+        assert "WITH RECURSIVE snap AS MATERIALIZED (" in sql, sql
