@@ -15,7 +15,9 @@ ACK as soon as it has it; a busy one sends one request per round trip for
 all its slots.
 
 A busy agent also lingers (`LINGER_S`, 5 ms): when a request of the Session
-went out within the last `BUSY_WINDOW_S` and none is in flight, an ACK that
+went out within the last `BUSY_WINDOW_S`, none is in flight and another of
+its runners is at work (`company`; an agent running one Run at a time never
+lingers), an ACK that
 gates nothing opens a request that gathers for up to the linger; the ACKs
 that gate nothing handed over meanwhile join it, and it goes when the linger
 is over, when it could carry no more, or when another caller sends. `starting` never waits:
@@ -111,6 +113,7 @@ class AckSender:
         max_body_bytes: int = MAX_BODY_BYTES,
         max_in_flight: int = MAX_IN_FLIGHT,
         linger_s: float = LINGER_S,
+        company: Callable[[], bool] | None = None,
         log: Callable[..., None] | None = None,
     ) -> None:
         self.transport = transport
@@ -119,6 +122,9 @@ class AckSender:
         self.max_body_bytes = max_body_bytes
         self.max_in_flight = max(1, max_in_flight)
         self.linger_s = max(0.0, linger_s)
+        # Whether some other runner of the Session may hand over an ACK soon
+        # (None: assume so); without one, lingering waits for nobody.
+        self._company = company
         self._last_sent: float | None = None  # time.monotonic() of the last request
         # When the request the lingering ACKs gather for goes (None: none gathers).
         self._linger_until: float | None = None
@@ -177,13 +183,15 @@ class AckSender:
     def _lingers(self, group: _Group) -> bool:
         """Whether this group waits for company first (module docstring);
         called holding the lock."""
-        if self.linger_s <= 0 or self._in_flight:
+        if self.linger_s <= 0 or self._in_flight or self.supported is False:
             return False
         if any(body.get("phase") in _GATING for _, body in group.items):
             return False
         if self._linger_until is not None:  # a request is gathering: join it
             return True
-        return self._last_sent is not None and time.monotonic() - self._last_sent < BUSY_WINDOW_S
+        if self._last_sent is None or time.monotonic() - self._last_sent >= BUSY_WINDOW_S:
+            return False
+        return self._company is None or self._company()
 
     def _linger(self, group: _Group) -> None:
         """Wait, holding the lock between waits, until the gathering request's

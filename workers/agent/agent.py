@@ -395,7 +395,13 @@ class Agent:
             accepted_at=sent,
         )
         if self.batch_acks:
-            session.acks = AckSender(self.transport, token=session.token, log=log)
+            session.acks = AckSender(
+                self.transport,
+                token=session.token,
+                # Another runner may hand over an ACK soon: worth lingering for.
+                company=lambda: len(self.runners) > 1,
+                log=log,
+            )
         # Before any offer of it: a restarted agent ACKs what it owes under it.
         self.journal.record_session(
             session_id=session.session_id, token=session.token, timeout_s=session.timeout_s

@@ -655,3 +655,26 @@ def test_with_no_linger_a_busy_sessions_ack_goes_at_once() -> None:
     alone.join(5)
     assert not alone.is_alive()
     assert plane.paths() == ["ack"]
+
+
+def test_a_busy_sessions_ack_with_no_other_runner_at_work_goes_at_once() -> None:
+    plane = Plane()
+    others = [True]
+    sender = AckSender(plane, token="s", linger_s=LONG, company=lambda: others[0])
+    _busy(sender, plane)
+    others[0] = False  # the Run acking is the only one: nobody to wait for
+    alone = _post_in_thread(sender, [("1" * 64, body("succeeded", exit_code=0))])
+    alone.join(5)
+    assert not alone.is_alive()
+    assert plane.paths() == ["ack"]
+
+
+def test_no_linger_against_a_control_plane_without_post_acks() -> None:
+    plane = Plane()
+    sender = AckSender(plane, token="s", linger_s=LONG)
+    _busy(sender, plane)
+    sender.supported = False  # every ACK goes alone anyway
+    alone = _post_in_thread(sender, [("1" * 64, body("succeeded", exit_code=0))])
+    alone.join(5)
+    assert not alone.is_alive()
+    assert plane.paths() == ["ack"]
