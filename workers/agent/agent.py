@@ -1052,6 +1052,12 @@ class Agent:
                     # more: a pull now would only deliver those offers again.
                     self._wait(0.05)
                     continue
+                if self.slots - self._occupied(session) <= 0:
+                    # Every slot taken: no pull to make, and none to put off by
+                    # a poll interval — a runner that ends wakes this wait
+                    # (bounded: a wake-up between the count and the wait).
+                    self._wait(min(self.poll_interval_s, 0.05))
+                    continue
                 if now < next_pull:
                     self._wait(min(next_pull - now, 0.5))
                     continue

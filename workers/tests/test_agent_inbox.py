@@ -577,3 +577,33 @@ def test_a_runner_that_fails_on_a_bug_frees_its_slot_and_the_agent_goes_on() -> 
     assert agent.pull() == 1
     join_runners(agent)
     assert spawner.spawned == [offer_id(2)]
+
+
+def test_a_slot_freed_while_all_were_taken_is_pulled_for_at_once(
+    serving: Callable[[Agent], threading.Thread],
+) -> None:
+    # Reviewer R0: with every slot taken, the loop used to count that as an
+    # empty pull and wait a whole poll interval (here 30 s) after a slot freed.
+    plane = FakeControlPlane()
+    plane.offers = [an_offer(1)]
+    journal = Journal.memory()
+    spawner = Spawner(journal, runs_until_stopped=True)
+    agent = Agent(
+        transport=plane,
+        credential="c" * 43,
+        slots=1,
+        executor="process",
+        spawn=spawner,
+        journal=journal,
+        poll_interval_s=30.0,
+        stop_grace_s=0.2,
+        retry_initial_s=0.01,
+        retry_cap_s=0.05,
+    )
+    serving(agent)
+    eventually(lambda: len(spawner.spawned) == 1)
+    time.sleep(0.3)  # the loop finds its one slot taken, again and again
+    with plane.lock:
+        plane.offers = [an_offer(2)]
+    spawner.processes[spawner.spawned[0]].terminate()
+    eventually(lambda: len(spawner.spawned) == 2, timeout=5.0)
