@@ -333,14 +333,19 @@ def _read_answer(reader: Any) -> _Answer:
     """One answer: its status, its body (None if over the cap) and whether the
     connection may carry another request. 1xx interim answers are skipped.
 
-    Only an end or a reset before the answer's first line is `_Closed` or
+    Only an end or a reset before the answer's first byte is `_Closed` or
     `_STALE` (a reused connection the server had closed: the request goes
-    once more); once a line came, the request arrived, and a reset is a
+    once more); once a byte came, the request arrived, and a reset is a
     `_Protocol` error: the request is never sent again."""
-    line = _read_line(reader)
-    if not line:
+    # Whether anything came is decided on the first byte: a reset after part
+    # of the status line (`HTTP/1.1 20`) is an answer cut short, never a
+    # connection the server had closed before it read the request.
+    if not reader.peek(1):
         raise _Closed
     try:
+        line = _read_line(reader)
+        if not line.endswith(b"\n"):
+            raise _Protocol("IncompleteRead")
         return _read_answer_from(reader, line)
     except _STALE as err:
         raise _Protocol(type(err).__name__) from None

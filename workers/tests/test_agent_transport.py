@@ -658,6 +658,14 @@ class _Resetting:
     def sendall(self, data: bytes) -> None:
         self.sent.append(data)
 
+    def peek(self, size: int = 1) -> bytes:
+        at = self._answer.tell()
+        ahead = self._answer.read(max(size, 1))
+        self._answer.seek(at)
+        if not ahead:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return ahead
+
     def readline(self, limit: int = -1) -> bytes:
         line = self._answer.readline(limit)
         if not line.endswith(b"\n"):
@@ -681,6 +689,7 @@ class _Resetting:
         (b"", True),
         # Part of an answer came: the request arrived, it is never sent again.
         (b"HTTP/1.1 200 OK\r\n", False),
+        (b"HTTP/1.1 2", False),  # part of the status line (reviewer2 S4)
         (b'HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n{"cut', False),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n", False),
     ],
