@@ -1,7 +1,9 @@
 """The fair candidate read over the database (docs/adr/0012, `dispatch.core.fairness`).
 
-`OrmQueueReader` is the `QueueReader` of the ORM adapter: two statements per
-candidate page, whatever the backlog.
+`OrmQueueReader` is the `QueueReader` of the ORM adapter: at most two
+statements per candidate page, whatever the backlog (a cycle's first walk,
+and a pull's first rows of a lone group, come from the cycle's first
+statement: `dispatch.cycles`).
 
 1. **The walk** (`walk`): a recursive skip scan over the partial index
    `run_queue_group` (Run: project, task_revision, priority DESC, queued_at,
