@@ -186,7 +186,9 @@ def measure(scenario: str) -> dict[str, Any]:
         if scenario == "claim":
             reset_claims([int(o.lease.lease_id) for o in result.offers])
 
-    for _ in range(3):  # warm caches and plans
+    # Warm caches and plans: PostgreSQL plans a prepared statement afresh for
+    # its first five executions before it settles on a generic plan.
+    for _ in range(10):
         after(one_cycle())
     times: list[float] = []
     cpu: list[float] = []

@@ -14,7 +14,8 @@ adapter and the in-memory fakes (both implement `QueueReader`):
    under those limits. The walk reads one row per group (an index probe), so
    its cost does not depend on how many Runs a group holds.
 2. `QueueReader.rows`: for the first `limit` Projects with a servable group,
-   up to `limit` candidates per group (never more than its room), in the
+   up to its Project's share of the page and one more per group (never more
+   than its room; a lone Project's group up to `limit`), in the
    Project's own order (priority DESC, queued_at, run id), after what this
    cycle already emitted of it.
 3. `fair_page`: the Projects' rows interleaved round-robin — one Run of each
@@ -169,14 +170,20 @@ def fair_page(
     chosen = projects[:limit]
     more_projects = len(projects) > len(chosen)
 
-    # Each group is asked for up to a whole page (within its room): the other
-    # Projects may have fewer Runs than their share, and one read must fill
-    # the page. At most `limit` Projects, so at most `limit` rows per group.
+    # Each group is asked for its Project's share of the page and one more
+    # (within its room): the round-robin takes at most a share of each Project
+    # while the others have Runs, and the one more fills the page when another
+    # has fewer. Asking every group for a whole page read up to `limit` rows of
+    # each of `limit` Projects for a page of `limit`, and made a large backlog
+    # cost more than a small one (bench/dispatch_bench.py). A page the shares
+    # do not fill — several Projects short of their share — is followed by the
+    # next one (the cursor), as when claims are lost.
+    share = min(limit, -(-limit // len(chosen)) + 1) if chosen else limit
     wanted: list[RowsWanted] = []
     for project in chosen:
         for group in servable[project]:
             room = _room(group.project_room, group.task_room)
-            ask = limit if room is None else min(limit, room)
+            ask = share if room is None else min(share, room)
             if ask > 0:
                 wanted.append(RowsWanted(group, state.after.get(project), ask))
     found = reader.rows(wanted) if wanted else {}
