@@ -22,7 +22,7 @@ gates nothing opens a request that gathers for up to the linger; the ACKs
 that gate nothing handed over meanwhile join it, and it goes when the linger
 is over, when it could carry no more, or when another caller sends. `starting` never waits:
 its answer is what a spawn waits for. On the 2-core bench box this cut the
-ACK requests per Run by a quarter to a half and the web tier's CPU per Run
+ACK requests per Run by about a quarter and the web tier's CPU per Run
 with them (bench/README, 2026-12-05); what it costs is at most the linger on
 when a `running` or an outcome reaches the control plane, and so on when
 its slot is free again.
