@@ -88,6 +88,8 @@ _MAX_HEADERS: Final = 100
 _STALE: Final = (ConnectionResetError, BrokenPipeError)
 # No control character or space in a request target (http.client's rule).
 _BAD_TARGET: Final = re.compile("[\x00-\x20\x7f]")
+# A chunk size: hex digits only (RFC 9112 7.1), at most 64 bits of them.
+_CHUNK_SIZE: Final = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _ENCODE: Final = json.JSONEncoder(ensure_ascii=False).encode
 
 
@@ -440,12 +442,11 @@ def _read_chunked(reader: Any) -> tuple[bytes | None, bool]:
     while True:
         line = _read_line(reader)
         size_text = line.split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise _Protocol("BadChunk") from None
-        if size < 0:
+        # Hex digits and nothing else (RFC 9112 7.1): `int(…, 16)` also takes
+        # "0x10", "1_0", "+a" and "-1", which no server sends as a size.
+        if not _CHUNK_SIZE.fullmatch(size_text):
             raise _Protocol("BadChunk")
+        size = int(size_text, 16)
         if size == 0:
             break
         total += size

@@ -420,6 +420,12 @@ def test_an_interim_100_continue_is_skipped(scripted: Any) -> None:
         (_answer(b"{}", b"Content-Length: 2", b"Content-Length: 3"), "BadContentLength"),
         (_answer(b'{"cut', b"Content-Length: 20"), "IncompleteRead"),
         (_answer(b"zz\r\n", b"Transfer-Encoding: chunked"), "BadChunk"),
+        # Hex digits only (reviewer R3): what int(…, 16) would also take.
+        (_answer(b"0x2\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: chunked"), "BadChunk"),
+        (_answer(b"+2\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: chunked"), "BadChunk"),
+        (_answer(b"0_2\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: chunked"), "BadChunk"),
+        (_answer(b"-0\r\n\r\n", b"Transfer-Encoding: chunked"), "BadChunk"),
+        (_answer(b"\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: chunked"), "BadChunk"),
         (_answer(b"5\r\n{}", b"Transfer-Encoding: chunked"), "IncompleteRead"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n", "IncompleteRead"),
         (b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 101 + b"\r\n", "TooManyHeaders"),
