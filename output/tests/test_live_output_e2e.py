@@ -14,7 +14,6 @@ import pytest
 
 from output.models import OutputChunk
 from output.redaction import REDACTED
-from output.tests.live import serialized
 from qinglong.testing import make_project
 from runs.models import AttemptState
 from runs.services import run_enqueue, task_create
@@ -49,25 +48,23 @@ def test_a_running_attempts_output_is_stored_while_it_runs_and_grows(
         },
     )
     run = run_enqueue(task=task)
-    with serialized(live_server) as lock:
-        proc = agent(live_server, path, "--once")
-        try:
-            seen: list[str] = []
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                with lock:  # this thread shares the server's connection (output.tests.live)
-                    attempt = run.attempts.get()
-                    text = _stored_text(attempt.pk)
-                if attempt.state == AttemptState.RUNNING and text and text not in seen:
-                    seen.append(text)
-                if attempt.state in (AttemptState.SUCCEEDED, AttemptState.FAILED):
-                    break
-                time.sleep(0.1)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    proc = agent(live_server, path, "--once")
+    try:
+        seen: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            attempt = run.attempts.get()
+            text = _stored_text(attempt.pk)
+            if attempt.state == AttemptState.RUNNING and text and text not in seen:
+                seen.append(text)
+            if attempt.state in (AttemptState.SUCCEEDED, AttemptState.FAILED):
+                break
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, err
     # Seen at least twice while it ran, each time longer (it grows, in order).
     assert len(seen) >= 2, seen

@@ -17,7 +17,6 @@ from django.test import override_settings
 
 from leases.end import run_cancel
 from output.redaction import REDACTED
-from output.tests.live import serialized
 from qinglong.testing import make_project, make_worker
 from runs.models import Run
 from runs.services import run_enqueue, task_create
@@ -94,26 +93,20 @@ def test_cancel_verdict_on_heartbeat_stops_the_running_process(live_server, cred
         definition={"executor_type": "process", "command": ["sleep", "60"], "timeout_s": 120},
     )
     run = run_enqueue(task=task)
-    # With the in-memory SQLite test database the live server's request threads
-    # share this thread's connection: the reads and the cancel below take turns
-    # with the agent's requests (output.tests.live) instead of running inside one.
-    with serialized(live_server) as lock:
-        proc = agent(live_server, path, "--once")
-        try:
-            deadline = time.monotonic() + 30
-            running = False
-            while not running and time.monotonic() < deadline:
-                time.sleep(0.2)
-                with lock:
-                    running = run.attempts.filter(state="running").exists()
-            assert running
-            with lock:
-                run_cancel(run=run, actor="test")
-            _out, err = proc.communicate(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    proc = agent(live_server, path, "--once")
+    try:
+        deadline = time.monotonic() + 30
+        running = False
+        while not running and time.monotonic() < deadline:
+            time.sleep(0.2)
+            running = run.attempts.filter(state="running").exists()
+        assert running
+        run_cancel(run=run, actor="test")
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, err
     run.refresh_from_db()
     attempt = run.attempts.get()

@@ -22,7 +22,6 @@ from playwright.sync_api import Page, expect
 
 from notifications.models import DeliveryState, WebhookDelivery, WebhookSubscription
 from notifications.tests.receiver import serve
-from output.tests.live import serialized
 from qinglong.testing import make_project, make_worker
 from qinglong.tests.browser.pages import OPERATOR_PASSWORD, log_in
 from runs.models import AttemptState, RunState
@@ -82,10 +81,9 @@ def test_output_appears_and_grows_on_the_run_page_and_cancel_stops_the_process(
 ):
     run, credential_file, pid_file = ticker
     make_operator("operator", "runs.change_run")
-    with serialized(live_server):
-        _watch_and_cancel(
-            page, page_problems, screenshot_dir, live_server, run, credential_file, pid_file
-        )
+    _watch_and_cancel(
+        page, page_problems, screenshot_dir, live_server, run, credential_file, pid_file
+    )
     run.refresh_from_db()
     attempt = run.attempts.get()
     assert run.state == RunState.CANCELLED
@@ -191,8 +189,7 @@ def test_a_webhook_test_delivery_shows_in_the_delivery_log(
     receiver_context = serve()
     receiver = next(receiver_context)
     try:
-        with serialized(live_server):
-            _add_and_send_test(page, project, receiver, screenshot_dir)
+        _add_and_send_test(page, project, receiver, screenshot_dir)
     finally:
         next(receiver_context, None)
     assert len(receiver.received) == 1
