@@ -35,8 +35,8 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 # calls the busy handler for a shared-cache lock, so a thread with a
 # connection of its own (the dispatcher's webhook sender beside its cycles)
 # failed now and then where the product waits its turn; and a live server
-# handed its request threads the test thread's one connection
-# (output/tests/live.py). SQLITE_TEST_NAME still names a file of your own,
+# handed its request threads the test thread's one connection (the tests
+# with a real agent had to serialize it). SQLITE_TEST_NAME still names a file of your own,
 # or ":memory:" for Django's default.
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":  # noqa: F405
     _sqlite = DATABASES["default"]  # noqa: F405
