@@ -7,20 +7,33 @@ from collections.abc import Callable
 
 from django.db import OperationalError
 
+# SQLite's shared in-memory test database answers these while the live server
+# writes ("database table is locked: <table>", "database is locked"); they pass.
+_SQLITE_LOCK_MESSAGES = ("database table is locked", "database is locked")
+
 
 def eventually(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Ask `predicate` every 0.1 s until it holds; fail after `timeout` seconds."""
+    """Ask `predicate` every 0.1 s until it holds; fail after `timeout` seconds.
+
+    A SQLite lock error counts as "not yet" (the last one is chained into the
+    timeout's AssertionError); any other OperationalError (a missing table, a
+    broken connection) propagates at once.
+    """
     deadline = time.monotonic() + timeout
-    while not _holds(predicate):
+    last_error: OperationalError | None = None
+    while True:
+        try:
+            if predicate():
+                return
+        except OperationalError as err:
+            if not _is_sqlite_lock(err):
+                raise
+            last_error = err
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
+            raise AssertionError(f"timed out waiting for: {what}") from last_error
         time.sleep(0.1)
 
 
-def _holds(predicate: Callable[[], bool]) -> bool:
-    try:
-        return predicate()
-    except OperationalError:
-        # SQLite's shared in-memory test database: "table is locked" while
-        # the live server writes. Ask again.
-        return False
+def _is_sqlite_lock(err: OperationalError) -> bool:
+    message = str(err)
+    return any(lock in message for lock in _SQLITE_LOCK_MESSAGES)
