@@ -4,9 +4,9 @@
     .venv/bin/python bench/e2e_bench.py               # 1.5 to 3 minutes
 
 On the server of BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/postgres)
-it creates throw-away databases (`ql_bench_e2e`, `ql_bench_micro`,
-`ql_bench_peer`; dropped at the end, also on failure or Ctrl-C) and runs, one
-after the other:
+it creates throw-away databases (BENCH_DB_NAME, default `ql_bench_e2e`, and
+`<that name>_micro`, `<that name>_peer`; dropped at the end, also on failure
+or Ctrl-C) and runs, one after the other:
 
 e2e    the real thing: gunicorn with qinglong/gunicorn.conf.py and the
        production settings (DEBUG off), `manage.py run_dispatcher` (or Celery
@@ -70,7 +70,15 @@ from typing import Any
 from _measure import admin, db_url, pid_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
-E2E_DB, MICRO_DB, PEER_DB = "ql_bench_e2e", "ql_bench_micro", "ql_bench_peer"
+# Every database name comes from here. BENCH_DB_NAME names the e2e database (as
+# in the other bench scripts); the micro bench's and the peer's are named after
+# it, so two runs with different names do not drop each other's. The child
+# processes inherit the environment and so the same names.
+E2E_DB = os.environ.get("BENCH_DB_NAME", "ql_bench_e2e")
+MICRO_DB, PEER_DB = f"{E2E_DB}_micro", f"{E2E_DB}_peer"
+# Interpolated into CREATE/DROP DATABASE: a plain identifier, and short enough
+# for PostgreSQL's 63 bytes with the longest suffix ("_micro").
+DB_NAME_RE = re.compile(r"[a-z_][a-z0-9_]{0,56}")
 # Tests use Redis databases 3 and 12 to 15; the bench owns 11 (flushed before and after).
 REDIS_URL = "redis://127.0.0.1:6379/11"
 PROJECT, TASK, BULK_TASK = "bench", "noop", "noop-bulk"
@@ -397,24 +405,105 @@ def _cpu_by_process(procs: Processes) -> dict[str, tuple[float, float]]:
     return {name: _group_cpu(proc.pid) for name, proc in procs.procs.items()}
 
 
-def _backends_cpu(db: str) -> dict[int, float]:
-    """CPU seconds so far of each PostgreSQL backend connected to `db` but this
-    process's own (the server runs on this box; the servers' connections are
-    persistent, DB_CONN_MAX_AGE)."""
+def _proc_cpu(pid: int) -> tuple[int, float]:
+    """(start time in clock ticks after boot, CPU seconds so far: user + system)
+    of process `pid` of this machine, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[19]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class BackendCpu:
+    """CPU seconds the PostgreSQL backends connected to `db` use between
+    `start()` and `stop()`, this process's own connection left out (the server
+    runs on this box; elsewhere /proc has no such pids and the figure is 0).
+
+    Reading each live backend's /proc/<pid>/stat before and after would miss
+    every backend that exits in between (gunicorn restarting a worker, a
+    connection closed after CONN_MAX_AGE, a parallel worker): its CPU leaves
+    /proc with it, and PostgreSQL keeps no per-backend CPU that outlives the
+    process (the postmaster's reaped-children times mix every database of the
+    server). So a thread samples every `interval` seconds — the pids of `db`'s
+    backends from pg_stat_activity, then each one's /proc reading — and keeps
+    each backend's last reading. Its queries go through a connection of its own
+    to the server's `base` database: not a backend of `db`, and no commit in
+    `db`'s pg_stat_database row. A backend present at `start()` counts from its
+    reading then; one that appears later counts from its start (0). A backend
+    is a (pid, start time) pair, so a reused pid is another backend. Still
+    missed: what a backend uses in its last `interval` before it exits, and a
+    backend that starts and exits between two samples.
+    """
+
+    def __init__(self, base: str, db: str, *, own: int, interval: float = 0.1) -> None:
+        self.base = base
+        self.db = db
+        self.own = {own}
+        self.interval = interval
+        self.first: dict[tuple[int, int], float] = {}
+        self.last: dict[tuple[int, int], float] = {}
+        self.failure: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="backend-cpu", daemon=True)
+        self._conn: Any = None
+
+    def start(self) -> None:
+        import psycopg
+
+        self._conn = psycopg.connect(self.base, autocommit=True)
+        self.first = self._sample()
+        self._thread.start()
+
+    def _sample(self) -> dict[tuple[int, int], float]:
+        """Each live backend's reading now, kept as its last."""
+        rows = self._conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s", [self.db]
+        ).fetchall()
+        now: dict[tuple[int, int], float] = {}
+        for (pid,) in rows:
+            if pid in self.own:
+                continue
+            try:
+                start, cpu = _proc_cpu(pid)
+            except OSError:  # exited since the query: its last reading stands
+                continue
+            now[(pid, start)] = cpu
+        self.last.update(now)
+        return now
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                self._sample()
+            except Exception as err:
+                self.failure = f"{type(err).__name__}: {err}"
+                return
+
+    def stop(self, *, own: int) -> dict[str, Any]:
+        """Stops sampling (`own`: this process's backend now, left out too) and
+        returns the CPU seconds, the backends seen and how many exited."""
+        self._done.set()
+        self._thread.join()
+        try:
+            if self.failure is not None:
+                raise RuntimeError(f"sampling the PostgreSQL backends failed: {self.failure}")
+            self.own.add(own)
+            alive = self._sample()
+        finally:
+            self._conn.close()
+        counted = {key: cpu for key, cpu in self.last.items() if key[0] not in self.own}
+        return {
+            "seconds": sum(cpu - self.first.get(key, 0.0) for key, cpu in counted.items()),
+            "seen": len(counted),
+            "exited": len(counted.keys() - alive.keys()),
+            "interval_s": self.interval,
+        }
+
+
+def _own_backend() -> int:
+    """The pid of this process's PostgreSQL backend (Django's connection)."""
     from django.db import connection
 
     connection.ensure_connection()
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            [db],
-        )
-        pids = [int(row[0]) for row in cursor.fetchall()]
-    found: dict[int, float] = {}
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            found[pid] = pid_cpu(pid)
-    return found
+    return int(connection.connection.info.backend_pid)
 
 
 def _xact_commits(db: str) -> int:
@@ -639,7 +728,8 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
 
     log("dispatch resumed: draining")
     cpu_before = _cpu_by_process(procs)
-    backends_before = _backends_cpu(E2E_DB)
+    backends = BackendCpu(base, E2E_DB, own=_own_backend())
+    backends.start()
     polls = 0
     started = time.perf_counter()
     dispatch_set_paused(paused=False, reason="", actor="bench")
@@ -658,7 +748,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         time.sleep(args.check_interval)
     seconds = time.perf_counter() - started
     cpu_after = _cpu_by_process(procs)
-    backends_after = _backends_cpu(E2E_DB)
+    backends_cpu = backends.stop(own=_own_backend())
     log(f"  {args.runs / seconds:.1f} Runs/s")
     # CPU ms per Run over the drain, by process kind (agents: their own threads
     # and, apart, their reaped `true` children).
@@ -671,12 +761,9 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
             cpu_ms["agents_children"] = (
                 cpu_ms.get("agents_children", 0.0) + 1000 * (kids - kids0) / args.runs
             )
-    # The servers' PostgreSQL backends (a backend opened during the drain counts
-    # from its start; one closed during it is missed).
-    cpu_ms["postgres_backends"] = sum(
-        1000 * (cpu - backends_before.get(pid, 0.0)) / args.runs
-        for pid, cpu in backends_after.items()
-    )
+    # The servers' PostgreSQL backends, those that exited during the drain
+    # included (BackendCpu).
+    cpu_ms["postgres_backends"] = 1000 * backends_cpu.pop("seconds") / args.runs
     idle: dict[str, Any] | None = None
     if args.idle_s > 0:
         time.sleep(1.1)  # let the backends' statistics reach pg_stat_database
@@ -709,6 +796,7 @@ def e2e(args: argparse.Namespace, base: str, procs: Processes, logdir: Path) -> 
         "first_terminal_s": first_done,
         "db_commits_per_run": commits / args.runs,
         "cpu_ms_per_run": cpu_ms,
+        "postgres_backends": backends_cpu,
         "lease_sources": sources,
         "dispatch_cycles": cycles,
         "agent_events": agent["events"],
@@ -1181,6 +1269,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 "           CPU ms per Run over the drain: "
                 + ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(cpu_ms.items()))
             )
+        backends = e2e_result.get("postgres_backends")
+        if backends:
+            out(
+                f"           PostgreSQL backends of {E2E_DB} over the drain: {backends['seen']} "
+                f"({backends['exited']} exited during it, counted to their last sample; "
+                f"sampled every {backends['interval_s']}s)"
+            )
         idle = e2e_result.get("idle")
         if idle:
             out(
@@ -1313,13 +1408,28 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
 
-    # The database names are fixed: two runs at once would drop each other's.
-    lock = (Path(tempfile.gettempdir()) / "ql-bench-e2e.lock").open("w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print("another bench/e2e_bench.py is running on this machine", file=sys.stderr)
+    if not DB_NAME_RE.fullmatch(E2E_DB):
+        print(
+            f"BENCH_DB_NAME={E2E_DB!r}: lower-case letters, digits and _, 57 at most",
+            file=sys.stderr,
+        )
         return 2
+    # Two runs with the same database names would drop each other's (the lock
+    # is named after the database: ql-bench-e2e.lock by default, as before
+    # BENCH_DB_NAME); two using Redis (--celery, --long-poll) would flush each
+    # other's database 11.
+    locks = [f"{E2E_DB.replace('_', '-')}.lock"]
+    if args.celery or args.long_poll > 0:
+        locks.append("ql-bench-e2e-redis.lock")
+    held = []
+    for name in locks:
+        lock = (Path(tempfile.gettempdir()) / name).open("w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"another bench/e2e_bench.py holds {lock.name}", file=sys.stderr)
+            return 2
+        held.append(lock)
     logdir = Path(tempfile.mkdtemp(prefix="ql-bench-e2e-"))
     procs = Processes(logdir)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
