@@ -9,15 +9,13 @@ Django at module level: the scripts set the environment before
 from __future__ import annotations
 
 import cProfile
-import io
-import json
 import os
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,43 +57,19 @@ class Wsgi:
     def post(self, path: str, body: Any, headers: Mapping[str, str]) -> tuple[int, Any]:
         """POSTs `body` as JSON with the extra `headers` (WSGI `HTTP_*` keys);
         returns the status code and the decoded answer."""
-        raw = json.dumps(body).encode()
-        environ = {
-            "REQUEST_METHOD": "POST",
-            "SCRIPT_NAME": "",
-            "PATH_INFO": path,
-            "QUERY_STRING": "",
-            "CONTENT_TYPE": "application/json",
-            "CONTENT_LENGTH": str(len(raw)),
-            "SERVER_NAME": "127.0.0.1",
-            "SERVER_PORT": "8000",
-            "SERVER_PROTOCOL": "HTTP/1.1",
-            "REMOTE_ADDR": "127.0.0.1",
-            "HTTP_HOST": "127.0.0.1:8000",
-            **headers,
-            "HTTP_ACCEPT": "application/json",
-            "wsgi.version": (1, 0),
-            "wsgi.url_scheme": "http",
-            "wsgi.input": io.BytesIO(raw),
-            "wsgi.errors": sys.stderr,
-            "wsgi.multithread": True,
-            "wsgi.multiprocess": True,
-            "wsgi.run_once": False,
-        }
-        status: list[str] = []
+        # The one builder, shared with the tests (imported here, after
+        # `django_setup` put the repository on sys.path).
+        from qinglong.tests.wsgi import call_json, json_environ
 
-        def start_response(line: str, headers: Any, exc_info: Any = None) -> Any:
-            status.append(line)
-            return None
-
-        result = self.app(environ, cast(Any, start_response))
-        try:
-            payload = b"".join(result)
-        finally:
-            close = getattr(result, "close", None)
-            if close is not None:
-                close()
-        return int(status[0].split()[0]), json.loads(payload) if payload else None
+        environ = json_environ(
+            "POST",
+            path,
+            body,
+            {**headers, "HTTP_ACCEPT": "application/json"},
+            host="127.0.0.1",
+            port=8000,
+        )
+        return call_json(self.app, environ)
 
 
 _TICK = os.sysconf("SC_CLK_TCK")

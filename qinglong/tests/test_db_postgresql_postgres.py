@@ -10,9 +10,6 @@ waited on.
 from __future__ import annotations
 
 import datetime
-import io
-import json
-import sys
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -23,6 +20,7 @@ from django.db import connection
 
 from qinglong.db.postgresql import base as backend
 from qinglong.testing import open_session
+from qinglong.tests.wsgi import call_json, json_environ
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -65,41 +63,15 @@ def token() -> Iterator[str]:
     connection.close()
 
 
-def _heartbeat(token: str) -> tuple[int, dict[str, Any]]:
+def _heartbeat(token: str) -> tuple[int, Any]:
     """POST heartbeat through the WSGI handler, its signals and all."""
-    raw = json.dumps({"draining": False}).encode()
-    environ = {
-        "REQUEST_METHOD": "POST",
-        "SCRIPT_NAME": "",
-        "PATH_INFO": "/api/v1/worker/heartbeat",
-        "QUERY_STRING": "",
-        "CONTENT_TYPE": "application/json",
-        "CONTENT_LENGTH": str(len(raw)),
-        "SERVER_NAME": "testserver",
-        "SERVER_PORT": "80",
-        "SERVER_PROTOCOL": "HTTP/1.1",
-        "REMOTE_ADDR": "127.0.0.1",
-        "HTTP_HOST": "testserver",
-        "HTTP_AUTHORIZATION": f"Bearer {token}",
-        "wsgi.version": (1, 0),
-        "wsgi.url_scheme": "http",
-        "wsgi.input": io.BytesIO(raw),
-        "wsgi.errors": sys.stderr,
-        "wsgi.multithread": True,
-        "wsgi.multiprocess": True,
-        "wsgi.run_once": False,
-    }
-    status: list[str] = []
-
-    def start_response(line: str, headers: Any, exc_info: Any = None) -> None:
-        status.append(line)
-
-    result = WSGIHandler()(environ, cast(Any, start_response))
-    try:
-        payload = b"".join(result)
-    finally:
-        result.close()
-    return int(status[0].split()[0]), json.loads(payload)
+    environ = json_environ(
+        "POST",
+        "/api/v1/worker/heartbeat",
+        {"draining": False},
+        {"HTTP_AUTHORIZATION": f"Bearer {token}"},
+    )
+    return call_json(WSGIHandler(), environ)
 
 
 def _backend_pid() -> int:
