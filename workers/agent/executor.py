@@ -223,8 +223,10 @@ _EXITS = _ExitWatcher()
 # holds one fd per running child, so its soft RLIMIT_NOFILE goes up to the
 # hard limit. Every message is answered, with its tag: "held", or "full" for
 # a pidfd the kernel could not hand it past that limit (MSG_CTRUNC: the
-# message came, its fd was closed), a child it does not hold. The agent waits
-# for the answer of each child it hands over (`_Guard.cover`).
+# message came, its fd was closed), a child it does not hold. Before any
+# answer it says "ready", once it listens: the agent waits for that (its
+# interpreter's start, slow on a loaded box) apart from the answer of each
+# child it hands over (`_Guard.cover`).
 _GUARD_PROGRAM = """
 import os, resource, select, signal, socket, sys
 for name in ("SIGINT", "SIGTERM", "SIGHUP"):
@@ -238,6 +240,10 @@ if soft != hard:
 agent = socket.socket(fileno=int(sys.argv[1]))
 epoll = select.epoll()
 epoll.register(agent.fileno(), select.EPOLLIN)
+try:
+    agent.send(b"ready", socket.MSG_DONTWAIT)
+except OSError:
+    pass
 held = set()
 while True:
     for fd, _ in epoll.poll():
@@ -280,6 +286,10 @@ class _Cover(enum.Enum):
 # well under a millisecond): past it the guard is stopped or starved, and the
 # spawner turns to the parent-death signal.
 _COVER_ANSWER_S = 0.5
+# How long a guard just started has to say it is ready (its interpreter's
+# start: some 20 ms on an idle box, seconds on a loaded one), before the
+# answer's wait begins; past it the guard is taken for one that did not answer.
+_GUARD_START_S = 10.0
 # Guards at their fd limit are kept (with the children they hold) and another
 # takes the next children; past this many in all, children get the signal.
 _MAX_GUARDS = 4
@@ -304,7 +314,10 @@ class _Guard:
     killed in between leaves that child to the restarted agent's orphan
     handling (docs/adr/0008). Each cover waits (`_COVER_ANSWER_S` at most)
     for the guard's answer for that child, so what it returns is what the
-    guard did. A guard that died is reaped at once (the exit watcher, by its
+    guard did; the first cover of a guard just started also waits for it to
+    be ready (`_GUARD_START_S` at most: its interpreter's start, slow on a
+    loaded box, is no silence), and meanwhile other covers wait for the
+    lock. A guard that died is reaped at once (the exit watcher, by its
     pid alone) and replaced at the next cover; the children it held are no
     longer covered. A guard that answers "full" for a child (its fd limit) is
     retired — kept, with what it holds — and a new guard takes that very
@@ -324,6 +337,8 @@ class _Guard:
         self._retired: list[tuple[socket.socket, subprocess.Popen[bytes]]] = []
         self._tags = itertools.count(1)
         self._unanswered = b""  # the tag whose answer did not come in time
+        self._ready = False  # the current guard said "ready"
+        self._ready_by = 0.0  # when it must have said so (time.monotonic)
 
     @property
     def pid(self) -> int | None:
@@ -379,6 +394,8 @@ class _Guard:
         self._poll.register(ours, select.POLLIN)
         self._full = False
         self._unanswered = b""
+        self._ready = False
+        self._ready_by = time.monotonic() + _GUARD_START_S
         # Reaped as soon as it dies, not at the next spawn: by its own pid
         # (Popen.poll), never a wait for any child that could take a Run's.
         _EXITS.watch(process.pid, functools.partial(self._reap, process))
@@ -476,10 +493,14 @@ class _Guard:
 
     def _answer_locked(self, tag: bytes, wait_s: float) -> bytes | None:
         """The guard's answer for `tag` ("held", "full"; b"" if it ended),
-        None if it did not come within `wait_s`. Late answers of earlier
-        tags are passed over."""
+        None if it did not come within `wait_s` of the guard being ready. A
+        guard not yet known ready (just started) is waited for until
+        `_GUARD_START_S` after its start, then `wait_s` from its "ready": its
+        interpreter's start never counts as a silence. Late answers of
+        earlier tags are passed over."""
         assert self._socket is not None and self._poll is not None
-        deadline = time.monotonic() + wait_s
+        # A ready guard: no more than the recv and the poll of the answer.
+        deadline = time.monotonic() + wait_s if self._ready else self._ready_by
         while True:
             try:
                 answer = self._socket.recv(64, socket.MSG_DONTWAIT)
@@ -492,6 +513,10 @@ class _Guard:
                 return b""
             if not answer:
                 return b""
+            if answer == b"ready":
+                self._ready = True
+                deadline = time.monotonic() + wait_s
+                continue
             verdict, _, answered = answer.partition(b" ")
             if answered == tag:
                 return verdict

@@ -5,7 +5,7 @@ hands the child it could not take, and the next, to a new guard; a stopped
 guard never blocks a spawn for longer than the wait for its answer and turns
 the spawner to the parent-death signal, keeping the children it holds; a
 child missed for a passing reason (the agent out of fds) leaves the spawner
-guarded. Tests that kill, stop or
+guarded; a guard slow to start is waited for, its start no silence. Tests that kill, stop or
 fill a guard give their spawner one of its own (`own_guard`), never the
 process's, which the other tests' spawners share."""
 
@@ -474,3 +474,66 @@ def test_a_child_the_guard_could_not_take_turns_the_spawner_to_the_signal(
     assert _signal_of_child(spawner) == "0"  # spawned before the cover failed
     assert not spawner.guarded
     assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+
+
+def _slow_start(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
+    """Each guard started from now on sleeps `delay_s` before its program
+    runs: the interpreter's start on a loaded box."""
+    program = f"import time; time.sleep({delay_s})\n" + executor._GUARD_PROGRAM
+    monkeypatch.setattr(executor, "_GUARD_PROGRAM", program)
+
+
+@linux_only
+def test_a_guard_slow_to_start_holds_its_first_child(
+    tmp_path: Path, own_guard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guard just started (the first, or one that takes over from a full
+    guard) takes longer than `_COVER_ANSWER_S` to start its interpreter on a
+    loaded box: the cover waits for it to be ready (reviewer S7: its first
+    answer timed out and the spawner turned to the signal for good)."""
+    delay_s = 2 * executor._COVER_ANSWER_S
+    _slow_start(monkeypatch, delay_s)
+    started = time.monotonic()
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    spawned: list[LocalProcess] = []
+    try:
+        spawned.append(spawner(a_spec(command=["sleep", "60"])))
+        assert spawner.guarded, "the guard's start was taken for no answer"
+        assert time.monotonic() - started >= delay_s  # the guard was slow indeed
+        guard = _pid(own_guard)
+        assert _held_by(guard) == {spawned[0].pid}
+        # A full guard hands over to a new guard, as slow to start.
+        _fill(guard)
+        spawned.append(spawner(a_spec(command=["sleep", "60"])))
+        assert spawner.guarded
+        new = _pid(own_guard)
+        assert new != guard
+        assert _held_by(new) == {spawned[1].pid}
+        assert _signal_of_child(spawner) == "0"
+    finally:
+        for process in spawned:
+            _end(process)
+
+
+@linux_only
+def test_a_guard_that_never_gets_ready_turns_the_spawner_to_the_signal(
+    tmp_path: Path, own_guard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guard not ready within `_GUARD_START_S` is one that did not answer:
+    the cover returns then, the spawner turns to the signal, and the child
+    stays queued for the guard, which takes it once it runs."""
+    monkeypatch.setattr(executor, "_GUARD_START_S", 0.2, raising=False)
+    _slow_start(monkeypatch, 1.5)
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    started = time.monotonic()
+    process = spawner(a_spec(command=["sleep", "60"]))
+    try:
+        assert time.monotonic() - started < 1.5
+        assert not spawner.guarded
+        guard = _pid(own_guard)
+        eventually(lambda: process.pid in _held_by(guard), 10, "the guard took the queued child")
+        assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
+    finally:
+        _end(process)
