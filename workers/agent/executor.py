@@ -291,7 +291,8 @@ _COVER_ANSWER_S = 0.5
 # answer's wait begins; past it the guard is taken for one that did not answer.
 _GUARD_START_S = 10.0
 # Guards at their fd limit are kept (with the children they hold) and another
-# takes the next children; past this many in all, children get the signal.
+# takes the next children; past this many in all, a kept one whose children
+# ended since takes them, and where none has room children get the signal.
 _MAX_GUARDS = 4
 
 
@@ -321,9 +322,12 @@ class _Guard:
     pid alone) and replaced at the next cover; the children it held are no
     longer covered. A guard that answers "full" for a child (its fd limit) is
     retired — kept, with what it holds — and a new guard takes that very
-    child and the next ones (`_MAX_GUARDS` in all; past that the last one is
-    kept and covers nothing more). A guard that does not answer in time
-    (stopped, starved) is kept and covers nothing more until its answer came."""
+    child and the next ones; with `_MAX_GUARDS` running, the retired ones
+    are asked in turn (children of theirs that ended freed their fds), the
+    first to answer "held" becoming the current guard, and only a child each
+    answered "full" for is refused (the next cover asks them all again). A
+    guard that does not answer in time (stopped, starved) is kept and
+    covers nothing more until its answer came."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -331,10 +335,10 @@ class _Guard:
         self._process: subprocess.Popen[bytes] | None = None
         self._poll: Any = None  # select.poll of the current guard's socket
         self._owner = 0  # the pid of the process that started it (a fork starts its own)
-        self._full = False
         self._atexit = False
-        # Full guards, kept: their sockets stay open (closing one kills what it holds).
-        self._retired: list[tuple[socket.socket, subprocess.Popen[bytes]]] = []
+        # Guards that answered "full", kept (each with its socket's poll):
+        # their sockets stay open (closing one kills what it holds).
+        self._retired: list[tuple[socket.socket, subprocess.Popen[bytes], Any]] = []
         self._tags = itertools.count(1)
         self._unanswered = b""  # the tag whose answer did not come in time
         self._ready = False  # the current guard said "ready"
@@ -392,7 +396,6 @@ class _Guard:
         self._socket, self._process, self._owner = ours, process, os.getpid()
         self._poll = select.poll()
         self._poll.register(ours, select.POLLIN)
-        self._full = False
         self._unanswered = b""
         self._ready = False
         self._ready_by = time.monotonic() + _GUARD_START_S
@@ -409,7 +412,7 @@ class _Guard:
             if process is self._process and self._owner == os.getpid():
                 self._drop_locked()  # the next cover starts another
                 return
-            for index, (ours, retired) in enumerate(self._retired):
+            for index, (ours, retired, _) in enumerate(self._retired):
                 if retired is process:
                     ours.close()
                     del self._retired[index]
@@ -423,10 +426,10 @@ class _Guard:
         and reaped."""
         with self._lock:
             ours = self._owner == os.getpid()
-            processes = [process for _, process in self._retired] if ours else []
+            processes = [process for _, process, _ in self._retired] if ours else []
             if self._process is not None and ours:
                 processes.append(self._process)
-            for retired, _ in self._retired:
+            for retired, _, _ in self._retired:
                 retired.close()
             if self._socket is not None:
                 self._socket.close()
@@ -447,12 +450,12 @@ class _Guard:
             return _Cover.MISSED if err.errno in _TRANSIENT else _Cover.REFUSED
         try:
             with self._lock:
-                for _ in range(3):  # a guard that died or is full is replaced (twice at most)
+                full: set[int] = set()  # the guards that said "full" for this child
+                # Each guard asked once at most, and two that died replaced.
+                for _ in range(_MAX_GUARDS + 2):
                     if not self._start_locked():
                         return _Cover.REFUSED
                     assert self._socket is not None
-                    if self._full:
-                        return _Cover.REFUSED
                     if self._unanswered and self._answer_locked(self._unanswered, 0) is None:
                         return _Cover.REFUSED  # still silent: nothing more to it yet
                     self._unanswered = b""
@@ -479,14 +482,28 @@ class _Guard:
                     if answer == b"":
                         self._drop_locked()  # it died with the pidfd unread: replaced
                         continue
-                    # "full": this child is not held. The guard is kept with
-                    # what it holds; a new one takes this child, and the next.
-                    if len(self._retired) + 1 >= _MAX_GUARDS:
-                        self._full = True
-                        return _Cover.REFUSED
+                    # "full": this child is not held. The guard is retired,
+                    # kept with what it holds; a new one takes this child and
+                    # the next ones, or, `_MAX_GUARDS` running, a retired one
+                    # not asked yet for this child (its children may have
+                    # ended since) is asked. Only when each said "full" is
+                    # the child refused.
                     assert self._process is not None
-                    self._retired.append((self._socket, self._process))
+                    full.add(self._process.pid)
+                    self._retired.append((self._socket, self._process, self._poll))
                     self._socket = self._process = self._poll = None
+                    if len(self._retired) < _MAX_GUARDS:
+                        continue  # a new guard is started
+                    asked = [i for i, (_, p, _) in enumerate(self._retired) if p.pid not in full]
+                    # It answered all it was handed (retired at an answer):
+                    # ready, nothing unanswered. All full: the one that said
+                    # so longest ago is the current guard again, asked first
+                    # by the next cover.
+                    current = self._retired.pop(asked[0] if asked else 0)
+                    self._socket, self._process, self._poll = current
+                    self._ready, self._unanswered = True, b""
+                    if not asked:
+                        return _Cover.REFUSED
                 return _Cover.REFUSED
         finally:
             os.close(pidfd)
@@ -721,7 +738,7 @@ class ProcessSpawner:
     A guard at its fd limit hands over to a new guard (the cover waits for
     the guard's answer, so the very child it could not take goes to the new
     one); a guard that takes no more children (stopped, or `_MAX_GUARDS`
-    full ones) turns the spawner to the signal for good, known at that
+    ones all full) turns the spawner to the signal for good, known at that
     child's cover; a child missed for a passing reason (the agent out of fds
     a moment) runs uncovered alone, and the next spawn is guarded again.
     """

@@ -1,13 +1,14 @@
 """The agent's death guard (workers/agent/executor.py, `_Guard`): it kills the
 children with the agent process, not with their thread; it runs in "/"; a
 guard that dies is reaped at once and replaced at the next spawn; a full guard
-hands the child it could not take, and the next, to a new guard; a stopped
-guard never blocks a spawn for longer than the wait for its answer and turns
-the spawner to the parent-death signal, keeping the children it holds; a
-child missed for a passing reason (the agent out of fds) leaves the spawner
-guarded; a guard slow to start is waited for, its start no silence. Tests that kill, stop or
-fill a guard give their spawner one of its own (`own_guard`), never the
-process's, which the other tests' spawners share."""
+hands the child it could not take, and the next, to a new guard, or, the
+last one started, to a full one whose children ended since; a stopped guard
+never blocks a spawn for longer than the wait for its answer and turns the
+spawner to the parent-death signal, keeping the children it holds; a child
+missed for a passing reason (the agent out of fds) leaves the spawner
+guarded; a guard slow to start is waited for, its start no silence. Tests
+that kill, stop or fill a guard give their spawner one of its own
+(`own_guard`), never the process's, which the other tests' spawners share."""
 
 from __future__ import annotations
 
@@ -537,3 +538,76 @@ def test_a_guard_that_never_gets_ready_turns_the_spawner_to_the_signal(
         assert _signal_of_child(spawner) == str(int(signal.SIGKILL))
     finally:
         _end(process)
+
+
+@linux_only
+def test_past_the_last_guard_a_retired_guard_with_room_takes_the_child(
+    tmp_path: Path, own_guard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last guard full, a guard retired full earlier whose children ended
+    since has room again: it takes the child (reviewer S8: retired guards were
+    never asked again, the child was refused), and the spawner stays guarded."""
+    monkeypatch.setattr(executor, "_MAX_GUARDS", 2, raising=False)
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    first = spawner(a_spec(command=["sleep", "60"]))
+    spawned: list[LocalProcess] = [first]
+    try:
+        retired = _pid(own_guard)
+        eventually(lambda: first.pid in _held_by(retired), 10, "the guard holds the first child")
+        _fill(retired)
+        second = spawner(a_spec(command=["sleep", "60"]))
+        spawned.append(second)
+        last = _pid(own_guard)
+        assert last != retired
+        assert _held_by(last) == {second.pid}
+        _end(first)
+        eventually(lambda: not _held_by(retired), 10, "the retired guard let go of its child")
+        _fill(last)
+        third = spawner(a_spec(command=["sleep", "60"]))
+        spawned.append(third)
+        assert spawner.guarded, "a retired guard with room was not asked"
+        assert _held_by(retired) == {third.pid}
+        assert _held_by(last) == {second.pid}
+        assert _signal_of_child(spawner) == "0"
+    finally:
+        for process in spawned:
+            _end(process)
+
+
+@linux_only
+def test_once_every_guard_was_full_a_later_child_goes_to_one_with_room(
+    tmp_path: Path, own_guard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every guard full: that child is refused and the guards keep what they
+    hold. Not for good (reviewer S8: every later child was refused): once a
+    guard's children ended, another spawner's child goes to it."""
+    monkeypatch.setattr(executor, "_MAX_GUARDS", 2, raising=False)
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    first = spawner(a_spec(command=["sleep", "60"]))
+    spawned: list[LocalProcess] = [first]
+    try:
+        retired = _pid(own_guard)
+        eventually(lambda: first.pid in _held_by(retired), 10, "the guard holds the first child")
+        _fill(retired)
+        second = spawner(a_spec(command=["sleep", "60"]))
+        spawned.append(second)
+        last = _pid(own_guard)
+        assert _held_by(last) == {second.pid}
+        _fill(last)
+        spawned.append(spawner(a_spec(command=["sleep", "60"])))
+        assert not spawner.guarded
+        assert _held_by(retired) == {first.pid}
+        assert _held_by(last) == {second.pid}
+        assert _alive(first.pid) and _alive(second.pid)
+        _end(second)
+        eventually(lambda: not _held_by(last), 10, "the last guard let go of its child")
+        another = ProcessSpawner(tmp_path, death_guard=own_guard)
+        assert another.guarded
+        fourth = another(a_spec(command=["sleep", "60"]))
+        spawned.append(fourth)
+        assert another.guarded, "every guard was taken for full for good"
+        assert _held_by(last) == {fourth.pid}
+        assert _held_by(retired) == {first.pid}
+    finally:
+        for process in spawned:
+            _end(process)
