@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -327,7 +328,10 @@ class _Guard:
     first to answer "held" becoming the current guard, and only a child each
     answered "full" for is refused (the next cover asks them all again). A
     guard that does not answer in time (stopped, starved) is kept and
-    covers nothing more until its answer came."""
+    covers nothing more until its answer came. A child forked without exec
+    closes its copies of the agent's ends of the sockets at once
+    (`_forget_at_fork`): the guards see the agent's death whatever the fork
+    becomes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -343,6 +347,7 @@ class _Guard:
         self._unanswered = b""  # the tag whose answer did not come in time
         self._ready = False  # the current guard said "ready"
         self._ready_by = 0.0  # when it must have said so (time.monotonic)
+        _GUARDS.add(self)
 
     @property
     def pid(self) -> int | None:
@@ -545,6 +550,42 @@ class _Guard:
             with contextlib.suppress(OSError):
                 self._process.poll()  # reaped if it died
         self._socket = self._process = self._poll = None
+
+    def _forget_at_fork(self) -> None:
+        """In a child forked without exec (multiprocessing's "fork", a
+        program embedding the agent): the child's copies of the agent's ends
+        of every guard's socket are closed, so a fork that lives on never
+        keeps a guard from seeing the agent's death; the parent's ends, and
+        its guards, are untouched. The child starts a guard of its own if it
+        spawns. No lock is taken: another thread of the parent's may have held
+        it at the fork, and the child has this thread alone."""
+        self._lock = threading.Lock()
+        ends = [ours for ours, _, _ in self._retired]
+        if self._socket is not None:
+            ends.append(self._socket)
+        for ours in ends:
+            with contextlib.suppress(OSError):
+                ours.close()
+        self._socket = self._process = self._poll = None
+        self._retired = []
+        self._unanswered = b""
+        self._ready = False
+
+
+# Every guard of this process (the agent's, a test's own): forgotten by a
+# child forked without exec (`_Guard._forget_at_fork`). A subprocess's child
+# runs no such handler (vfork, or fork then exec: the sockets are
+# close-on-exec), but for a preexec_fn's, where it closes them just earlier.
+_GUARDS: weakref.WeakSet[_Guard] = weakref.WeakSet()
+
+
+def _forget_guards_at_fork() -> None:
+    for guard in list(_GUARDS):
+        guard._forget_at_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_guards_at_fork)
 
 
 _GUARD = _Guard()

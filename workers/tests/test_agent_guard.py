@@ -6,7 +6,8 @@ last one started, to a full one whose children ended since; a stopped guard
 never blocks a spawn for longer than the wait for its answer and turns the
 spawner to the parent-death signal, keeping the children it holds; a child
 missed for a passing reason (the agent out of fds) leaves the spawner
-guarded; a guard slow to start is waited for, its start no silence. Tests
+guarded; a guard slow to start is waited for, its start no silence; a fork
+of the agent keeps no guard from seeing the agent's death. Tests
 that kill, stop or fill a guard give their spawner one of its own
 (`own_guard`), never the process's, which the other tests' spawners share."""
 
@@ -308,9 +309,11 @@ def test_a_child_a_full_guard_could_not_take_goes_to_a_new_guard_at_once(
 
 
 # The stand-in again, whose guard fills up after one child: prints the pids
-# of the two children and of the first guard, then waits to be killed.
+# of the two children, of the first guard and of a fork of itself (with
+# "fork": a child forked without exec, that sleeps; else 0), then waits to be
+# killed.
 _STAND_IN_FULL = """
-import resource, sys, time
+import os, resource, sys, time, warnings
 from pathlib import Path
 from workers.agent import executor
 spawner = executor.ProcessSpawner(Path(sys.argv[1]))
@@ -329,7 +332,15 @@ used = {int(path.name) for path in Path(f"/proc/{guard}/fd").iterdir()}
 limit = next(fd for fd in range(len(used) + 1) if fd not in used)
 resource.prlimit(guard, resource.RLIMIT_NOFILE, (limit, limit))
 second = spawner({"command": ["sleep", "60"], "env": {}})
-print(first.pid, second.pid, guard, flush=True)
+forked = 0
+if sys.argv[2:] == ["fork"]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # a fork beside threads
+        forked = os.fork()
+    if forked == 0:
+        time.sleep(120)
+        os._exit(0)
+print(first.pid, second.pid, guard, forked, flush=True)
 time.sleep(120)
 """
 
@@ -350,7 +361,7 @@ def test_a_kill_9_of_the_agent_kills_the_child_its_full_guard_could_not_take(
     children: list[int] = []
     try:
         assert agent.stdout is not None
-        first, second, guard = (int(part) for part in agent.stdout.readline().split())
+        first, second, guard, _ = (int(part) for part in agent.stdout.readline().split())
         children = [first, second]
         eventually(_is_running(second, ["sleep", "60"]), 10, "sleep exec'd")
         assert _held_by(guard) == {first}
@@ -359,6 +370,44 @@ def test_a_kill_9_of_the_agent_kills_the_child_its_full_guard_could_not_take(
         eventually(lambda: not _alive(first), 10, "the full guard killed the first child")
         eventually(lambda: not _alive(second), 10, "the new guard killed the second child")
         eventually(lambda: not _alive(guard), 10, "the full guard ended with the agent")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        if agent.stdout is not None:
+            agent.stdout.close()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@linux_only
+def test_a_fork_of_the_agent_keeps_no_guard_from_killing_the_children(tmp_path: Path) -> None:
+    """A child the agent process forked without exec (multiprocessing's
+    "fork" start method, in a program embedding the agent) closes its copies
+    of the agent's ends of the guards' sockets, the current guard's and a
+    full one's: while it lives on, the agent's kill -9 still ends every
+    child (reviewer S8: the fork held the sockets open, no guard saw its end)."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _STAND_IN_FULL, str(tmp_path), "fork"],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    children: list[int] = []
+    try:
+        assert agent.stdout is not None
+        first, second, guard, forked = (int(part) for part in agent.stdout.readline().split())
+        children = [first, second, forked]
+        eventually(_is_running(second, ["sleep", "60"]), 10, "sleep exec'd")
+        assert _held_by(guard) == {first}
+        agent.kill()  # the agent process alone: its fork lives on
+        agent.wait(10)
+        eventually(lambda: not _alive(first), 10, "the full guard killed the first child")
+        eventually(lambda: not _alive(second), 10, "the new guard killed the second child")
+        eventually(lambda: not _alive(guard), 10, "the full guard ended with the agent")
+        assert _alive(forked)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(agent.pid, signal.SIGKILL)
