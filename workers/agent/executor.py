@@ -212,6 +212,24 @@ class _ExitWatcher:
                     with contextlib.suppress(Exception):
                         callback()
 
+    def _forget_at_fork(self) -> None:
+        """In a child forked without exec: the parent's epoll set is not the
+        child's (shared across the fork: a pidfd the child added to it would
+        wake the parent's thread, which would close the parent's fd of that
+        number) and the thread did not come along. The child's copies of the
+        set and of the parent's pidfds are closed (the parent's stay
+        registered) and its first watch starts a set and a thread of its own.
+        No lock is taken: the parent's thread may have held it at the fork."""
+        self._lock = threading.Lock()
+        for fd in self._callbacks:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._callbacks = {}
+        if self._epoll is not None:
+            with contextlib.suppress(OSError):
+                self._epoll.close()
+        self._epoll = None
+
 
 _EXITS = _ExitWatcher()
 
@@ -573,19 +591,21 @@ class _Guard:
 
 
 # Every guard of this process (the agent's, a test's own): forgotten by a
-# child forked without exec (`_Guard._forget_at_fork`). A subprocess's child
-# runs no such handler (vfork, or fork then exec: the sockets are
-# close-on-exec), but for a preexec_fn's, where it closes them just earlier.
+# child forked without exec (`_Guard._forget_at_fork`), as the exit watcher
+# is. A subprocess's child runs no such handler (vfork, or fork then exec:
+# the fds are close-on-exec), but for a preexec_fn's, where it closes them
+# just earlier.
 _GUARDS: weakref.WeakSet[_Guard] = weakref.WeakSet()
 
 
-def _forget_guards_at_fork() -> None:
+def _forget_at_fork() -> None:
     for guard in list(_GUARDS):
         guard._forget_at_fork()
+    _EXITS._forget_at_fork()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_guards_at_fork)
+    os.register_at_fork(after_in_child=_forget_at_fork)
 
 
 _GUARD = _Guard()

@@ -7,9 +7,10 @@ never blocks a spawn for longer than the wait for its answer and turns the
 spawner to the parent-death signal, keeping the children it holds; a child
 missed for a passing reason (the agent out of fds) leaves the spawner
 guarded; a guard slow to start is waited for, its start no silence; a fork
-of the agent keeps no guard from seeing the agent's death. Tests
-that kill, stop or fill a guard give their spawner one of its own
-(`own_guard`), never the process's, which the other tests' spawners share."""
+of the agent keeps no guard from seeing the agent's death, and spawns under
+a guard of its own. Tests that kill, stop or fill a guard give their spawner
+one of its own (`own_guard`), never the process's, which the other tests'
+spawners share."""
 
 from __future__ import annotations
 
@@ -660,3 +661,58 @@ def test_once_every_guard_was_full_a_later_child_goes_to_one_with_room(
     finally:
         for process in spawned:
             _end(process)
+
+
+# A program embedding the agent that forks after a spawn: the fork spawns a
+# child of its own and prints whether it is guarded, by a guard of its own,
+# and whether it learns of its child's exit (`LocalProcess.on_exit`).
+_FORK_SPAWNS = """
+import os, sys, threading, warnings
+from pathlib import Path
+from workers.agent import executor
+spawner = executor.ProcessSpawner(Path(sys.argv[1]))
+first = spawner({"command": ["true"], "env": {}})
+exited = threading.Event()
+assert first.on_exit(exited.set) and exited.wait(10)  # the exit watcher runs
+first.release(grace_s=0)
+parent_guard = executor.death_guard_pid()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # a fork beside threads
+    forked = os.fork()
+if forked == 0:
+    process = spawner({"command": ["true"], "env": {}})
+    guard = executor.death_guard_pid()
+    exited = threading.Event()
+    told = process.on_exit(exited.set) and exited.wait(10)
+    print(spawner.guarded, guard not in (None, parent_guard), told, flush=True)
+    process.release(grace_s=0)
+    os._exit(0)
+os.waitpid(forked, 0)
+"""
+
+
+@linux_only
+def test_a_fork_of_the_agent_spawns_under_a_guard_of_its_own_and_learns_of_exits(
+    tmp_path: Path,
+) -> None:
+    """The fork's first spawn starts a guard of its own, and the exit watcher
+    is its own too: the parent's epoll set, shared across the fork, and its
+    thread, which the fork has not, are left to the parent."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _FORK_SPAWNS, str(tmp_path)],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = agent.communicate(timeout=60)
+        assert agent.returncode == 0
+        guarded, own_guard, told = out.split()
+        assert guarded == "True"
+        assert own_guard == "True"
+        assert told == "True", "the fork never learnt of its child's exit"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
