@@ -71,7 +71,13 @@ from typing import Any, Final
 
 from workers.agent.protocol import Response, TransportError
 
-__all__ = ["IDLE_REUSE_S", "MAX_IDLE_CONNECTIONS", "HttpTransport", "is_loopback_host"]
+__all__ = [
+    "IDLE_REUSE_S",
+    "MAX_IDLE_CONNECTIONS",
+    "RESOLVED_REUSE_S",
+    "HttpTransport",
+    "is_loopback_host",
+]
 
 # Bigger than any Worker API answer (a pull of a few offers); a larger body is
 # not ours and is not parsed.
@@ -81,6 +87,9 @@ _MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 IDLE_REUSE_S: Final = 2.0
 # At most this many idle connections are kept (one per concurrent caller, roughly).
 MAX_IDLE_CONNECTIONS: Final = 16
+# A host name's addresses serve new connections this long after its lookup
+# (connections are reused, so a connect is rare; a lookup costs a thread).
+RESOLVED_REUSE_S: Final = 10.0
 # http.client's bounds on an answer's head.
 _MAX_LINE: Final = 65536
 _MAX_HEADERS: Final = 100
@@ -109,6 +118,50 @@ class _Protocol(Exception):
 
 class _Closed(Exception):
     """The connection ended before the first byte of an answer."""
+
+
+# One of getaddrinfo's answers: family, type, proto, canonname, sockaddr.
+_Address = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]
+
+
+class _Lookup:
+    """One name lookup in a daemon thread of its own: getaddrinfo has no
+    timeout, so each caller waits for it no longer than its deadline allows,
+    and a lookup that outlasts them is left to end in its thread."""
+
+    __slots__ = ("addresses", "done", "ended", "error")
+
+    def __init__(self, host: str, port: int) -> None:
+        self.done = threading.Event()
+        self.addresses: list[_Address] = []
+        self.error: Exception | None = None
+        self.ended = 0.0
+        thread = threading.Thread(
+            target=self._run, args=(host, port), name="agent-name-lookup", daemon=True
+        )
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: this lookup fails, the next is new
+            self.error = OSError("no thread for the name lookup")
+            self.done.set()
+
+    def _run(self, host: str, port: int) -> None:
+        try:
+            self.addresses = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+        except Exception as err:  # noqa: BLE001  # the waiters raise it
+            self.error = err
+        finally:
+            self.ended = time.monotonic()
+            self.done.set()
+
+    def reusable(self, now: float) -> bool:
+        """Answered with addresses within RESOLVED_REUSE_S."""
+        return (
+            self.done.is_set()
+            and self.error is None
+            and bool(self.addresses)
+            and now - self.ended < RESOLVED_REUSE_S
+        )
 
 
 class _Raw(io.RawIOBase):
@@ -192,6 +245,10 @@ class HttpTransport:
         self._prefix = parts.path.rstrip("/")
         self._context = ssl.create_default_context() if self._https else None
         self._host_header = _host_header(self._host, parts.port, 443 if self._https else 80)
+        # A literal IP address is never looked up; a name's latest lookup
+        # (in flight, or done) is shared by every connect.
+        self._literal = _literal_addresses(self._host, self._port)
+        self._lookup: _Lookup | None = None
         self._idle: list[tuple[_Connection, float]] = []
         self._lock = threading.Lock()
         self.connections_opened = 0  # for tests and diagnostics
@@ -201,13 +258,10 @@ class HttpTransport:
     # -- connections ---------------------------------------------------------
 
     def _connect(self, deadline: float) -> _Connection:
+        """A new connection: the name looked up, each of its addresses tried
+        in turn (none of it past the request's deadline), the TLS handshake."""
         self.connections_opened += 1
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the request's deadline passed")
-        # The TLS handshake, too, within the deadline (one timeout for all of it).
-        timeout = min(self.timeout_s, remaining)
-        sock = socket.create_connection((self._host, self._port), timeout)
+        sock = self._open(deadline)
         try:
             # Each request is one send: no Nagle delay waiting for an ACK.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -217,6 +271,54 @@ class HttpTransport:
             sock.close()
             raise
         return _Connection(sock, self.timeout_s)
+
+    def _open(self, deadline: float) -> socket.socket:
+        """A TCP connection to one of the host's addresses, tried in order,
+        each within the timeout or what the deadline leaves, whichever is
+        shorter (`socket.create_connection` gave each the whole timeout, and
+        its lookup none). None of them answering, the lookup is forgotten."""
+        addresses = self._resolve(deadline) if self._literal is None else self._literal
+        error: OSError | None = None
+        for family, kind, proto, _, address in addresses:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the request's deadline passed")
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(min(self.timeout_s, remaining))
+                sock.connect(address)
+            except OSError as err:
+                sock.close()
+                error = err
+                continue
+            return sock
+        self._forget_lookup()
+        if error is None:
+            raise OSError("getaddrinfo returned no address")
+        try:
+            raise error  # the last address's, as create_connection does
+        finally:
+            error = None  # no reference cycle through this frame
+
+    def _resolve(self, deadline: float) -> list[_Address]:
+        """The host name's addresses: the latest lookup's if it answered
+        within RESOLVED_REUSE_S, else a new lookup's (or the one in flight),
+        waited for no longer than the deadline allows."""
+        with self._lock:
+            lookup = self._lookup
+            if lookup is None or (lookup.done.is_set() and not lookup.reusable(time.monotonic())):
+                lookup = self._lookup = _Lookup(self._host, self._port)
+        if not lookup.done.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("the name lookup outlasted the request's deadline")
+        if lookup.error is not None:
+            raise lookup.error
+        return lookup.addresses
+
+    def _forget_lookup(self) -> None:
+        """The addresses looked up took no connection: look the name up anew."""
+        with self._lock:
+            if self._lookup is not None and self._lookup.done.is_set():
+                self._lookup = None
 
     def _take(self) -> tuple[_Connection | None, bool]:
         """A fresh-enough idle connection (reused=True), else None (connect one)."""
@@ -309,6 +411,20 @@ class HttpTransport:
                 # A redirect's body is not the control plane's answer.
                 return Response(answer.status, {})
             return Response(answer.status, _parse(answer.body))
+
+
+def _literal_addresses(host: str, port: int) -> list[_Address] | None:
+    """A literal IP address's one address (parsed, never looked up), else None."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    try:
+        return socket.getaddrinfo(
+            host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST | socket.AI_NUMERICSERV
+        )
+    except OSError:
+        return None  # looked up at each connect then, and failing there as it does
 
 
 def _host_header(host: str, port: int | None, default_port: int) -> bytes:

@@ -212,14 +212,19 @@ class _Scripted:
     in `closing` the server closes its side."""
 
     def __init__(
-        self, answers: list[bytes | None], *, closing: tuple[int, ...] = (), tls: Any = None
+        self,
+        answers: list[bytes | None],
+        *,
+        closing: tuple[int, ...] = (),
+        tls: Any = None,
+        address: tuple[str, int] = ("127.0.0.1", 0),
     ) -> None:
         import socket
 
         self.answers = list(answers)
         self.requests: list[bytes] = []
         self.connections = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.create_server(address)
         self.port = self.listener.getsockname()[1]
         self.closing = closing
         self.tls = tls
@@ -719,3 +724,165 @@ def test_a_reused_connection_reset_is_sent_again_only_before_any_byte_of_an_answ
         with pytest.raises(TransportError, match=r"^ConnectionResetError$"):
             transport.post("/x", {}, token="t")
     assert (len(cut.sent), len(fresh.sent)) == (1, 1 if sent_again else 0)
+
+
+# -- before the first byte: the name lookup, each address's connect (S5) --
+
+
+@pytest.fixture
+def blackholes() -> Iterator[Any]:
+    """`start(host, port)`: a listening socket there whose accept queue is
+    full, so a connect to it gets no answer to its SYN — as from an address
+    that is unreachable — until the connect's own timeout (loopback only:
+    nothing leaves the box, and nothing hangs past the sockets' close)."""
+    import socket
+
+    held: list[socket.socket] = []
+
+    def start(host: str, port: int) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        held.append(listener)
+        listener.bind((host, port))
+        listener.listen(0)
+        held.append(socket.create_connection((host, port), timeout=5))  # the queue's one place
+
+    yield start
+    for sock in held:
+        sock.close()
+
+
+def _resolve(monkeypatch: pytest.MonkeyPatch, name: str, addresses: Any) -> list[str]:
+    """`name` resolves to `addresses` (a list of IPv4 addresses, or a
+    callable giving it), each with the port asked; other names as ever. The
+    names looked up are returned, in order."""
+    import socket
+
+    real = socket.getaddrinfo
+    calls: list[str] = []
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(host)
+        if host != name:
+            return real(host, port, *args, **kwargs)
+        listed = addresses() if callable(addresses) else addresses
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, port))
+            for address in listed
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return calls
+
+
+def test_a_stalled_name_lookup_fails_the_request_at_its_deadline(
+    scripted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """getaddrinfo has no timeout of its own: a resolver that does not answer
+    fails the request at its deadline (1 s), as a timeout; a second request
+    waits for the same lookup (one thread, not one per attempt); once it
+    answers, the next request goes."""
+    import socket
+    import time
+
+    server = scripted([_answer(b"{}", b"Content-Length: 2")])
+    release = threading.Event()
+    calls: list[str] = []
+    real = socket.getaddrinfo
+
+    def stalled(host: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(host)
+        release.wait(5)  # a resolver that does not answer (until the test lets it)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", stalled)
+    transport = HttpTransport(f"http://localhost:{server.port}", timeout_s=0.5)
+    try:
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(TransportError, match=r"^TimeoutError$"):
+                transport.post("/x", {}, token="t")
+            assert 0.9 < time.monotonic() - started < 2.0
+        assert calls == ["localhost"]
+        release.set()
+        assert transport.post("/x", {}, token="t").status == 200
+        assert calls == ["localhost"]
+        assert len(server.requests) == 1
+    finally:
+        release.set()
+        transport.close()
+
+
+@pytest.mark.parametrize(
+    ("unreachable", "answered"),
+    [(1, True), (5, False)],
+    ids=["one-unreachable-address", "five-unreachable-addresses"],
+)
+def test_each_address_is_tried_within_what_the_deadline_leaves(
+    scripted: Any,
+    blackholes: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    unreachable: int,
+    answered: bool,
+) -> None:
+    """A name whose first addresses do not answer: each connect has the
+    timeout (0.5 s) or what the deadline (1 s) leaves, whichever is shorter.
+    One such address: the next is tried in time and answers. Five: the
+    request fails at its deadline, the live last address never tried (S5:
+    each had the whole timeout, 2.5 s in all, then the connect went on)."""
+    import time
+
+    server = scripted([_answer(b"{}", b"Content-Length: 2")])
+    dead = [f"127.0.0.{2 + index}" for index in range(unreachable)]
+    for address in dead:
+        blackholes(address, server.port)
+    _resolve(monkeypatch, "localhost", [*dead, "127.0.0.1"])
+    transport = HttpTransport(f"http://localhost:{server.port}", timeout_s=0.5)
+    started = time.monotonic()
+    if answered:
+        assert transport.post("/x", {}, token="t").status == 200
+        assert time.monotonic() - started > 0.45  # the first address had its timeout
+        assert len(server.requests) == 1
+    else:
+        with pytest.raises(TransportError, match=r"^TimeoutError$"):
+            transport.post("/x", {}, token="t")
+        assert 0.9 < time.monotonic() - started < 2.0
+        assert server.connections == 0
+    transport.close()
+
+
+def test_a_literal_ip_address_is_never_looked_up(
+    scripted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answer = _answer(b"{}", b"Content-Length: 2", b"Connection: close")
+    server = scripted([answer, answer], closing=(0, 1))
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    calls = _resolve(monkeypatch, "localhost", ["127.0.0.1"])
+    assert [transport.post("/x", {}, token="t").status for _ in range(2)] == [200, 200]
+    assert transport.connections_opened == 2
+    assert calls == []
+
+
+def test_a_name_is_looked_up_once_for_a_while_and_again_when_no_address_answers(
+    scripted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three connections, one lookup; the name moves to another address: the
+    kept one is refused, forgotten, and the next request looks the name up
+    again and goes to the new one."""
+    import socket
+
+    answer = _answer(b"{}", b"Content-Length: 2", b"Connection: close")
+    first = scripted([answer] * 3, closing=(0, 1, 2))
+    second = scripted([answer], closing=(0,), address=("127.0.0.2", first.port))
+    where = ["127.0.0.1"]
+    calls = _resolve(monkeypatch, "localhost", lambda: where)
+    transport = HttpTransport(f"http://localhost:{first.port}")
+    assert [transport.post("/x", {}, token="t").status for _ in range(3)] == [200] * 3
+    assert (transport.connections_opened, calls) == (3, ["localhost"])
+    first.listener.shutdown(socket.SHUT_RDWR)  # 127.0.0.1 refuses from now on
+    first.close()
+    where[:] = ["127.0.0.2"]
+    with pytest.raises(TransportError, match=r"^ConnectionRefusedError$"):
+        transport.post("/x", {}, token="t")
+    assert transport.post("/x", {}, token="t").status == 200
+    assert calls == ["localhost", "localhost"]
+    assert len(second.requests) == 1
