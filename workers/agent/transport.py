@@ -60,6 +60,7 @@ import io
 import ipaddress
 import json
 import re
+import select
 import socket
 import ssl
 import threading
@@ -259,14 +260,14 @@ class HttpTransport:
 
     def _connect(self, deadline: float) -> _Connection:
         """A new connection: the name looked up, each of its addresses tried
-        in turn (none of it past the request's deadline), the TLS handshake."""
+        in turn, the TLS handshake; none of it past the request's deadline."""
         self.connections_opened += 1
         sock = self._open(deadline)
         try:
             # Each request is one send: no Nagle delay waiting for an ACK.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._context is not None:
-                sock = self._context.wrap_socket(sock, server_hostname=self._host)
+                sock = self._handshake(self._context, sock, deadline)
         except BaseException:
             sock.close()
             raise
@@ -319,6 +320,36 @@ class HttpTransport:
         with self._lock:
             if self._lookup is not None and self._lookup.done.is_set():
                 self._lookup = None
+
+    def _handshake(
+        self, context: ssl.SSLContext, sock: socket.socket, deadline: float
+    ) -> ssl.SSLSocket:
+        """The TLS handshake, non-blocking: each wait for the server within
+        the timeout, the whole within the deadline (a blocking handshake has
+        the socket's timeout for all of it, whatever the connect left)."""
+        tls = context.wrap_socket(sock, server_hostname=self._host, do_handshake_on_connect=False)
+        try:
+            tls.settimeout(0.0)
+            poll = select.poll()
+            poll.register(tls, select.POLLIN)
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    poll.modify(tls, select.POLLIN)
+                except ssl.SSLWantWriteError:
+                    poll.modify(tls, select.POLLOUT)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("the request's deadline passed")
+                if not poll.poll(min(self.timeout_s, remaining) * 1000):
+                    raise TimeoutError("the TLS handshake timed out")
+            tls.settimeout(self.timeout_s)
+        except BaseException:
+            tls.close()
+            raise
+        return tls
 
     def _take(self) -> tuple[_Connection | None, bool]:
         """A fresh-enough idle connection (reused=True), else None (connect one)."""

@@ -726,7 +726,18 @@ def test_a_reused_connection_reset_is_sent_again_only_before_any_byte_of_an_answ
     assert (len(cut.sent), len(fresh.sent)) == (1, 1 if sent_again else 0)
 
 
-# -- before the first byte: the name lookup, each address's connect (S5) --
+# -- before the first byte: the name lookup, each address's connect, the TLS handshake (S5) --
+
+
+def _eventually(predicate: Any, timeout_s: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.fixture
@@ -772,6 +783,141 @@ def _resolve(monkeypatch: pytest.MonkeyPatch, name: str, addresses: Any) -> list
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return calls
+
+
+class _TLSHandshake:
+    """A TLS server (`ssl`'s own handshake, through memory BIOs) that accepts
+    TCP, then sends its handshake's bytes one at a time, `pause_s` apart, each
+    well within the client's timeout (a flight of a few KiB: a minute of
+    them); `pause_s=None`: it reads the ClientHello and says nothing."""
+
+    def __init__(self, context: Any, *, pause_s: float | None) -> None:
+        import socket
+
+        self.context = context
+        self.pause_s = pause_s
+        self.accepted = 0
+        self.stop = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._handshake, args=(conn,), daemon=True).start()
+
+    def _handshake(self, conn: Any) -> None:
+        import ssl
+
+        with conn:
+            try:
+                if self.pause_s is None:
+                    while conn.recv(65536):  # until the client gives up
+                        pass
+                    return
+                incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+                tls = self.context.wrap_bio(incoming, outgoing, server_side=True)
+                while True:
+                    try:
+                        tls.do_handshake()
+                        return
+                    except ssl.SSLWantReadError:
+                        pass
+                    for byte in outgoing.read():
+                        conn.sendall(bytes((byte,)))
+                        if self.stop.wait(self.pause_s):
+                            return
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    incoming.write(data)
+            except OSError:  # the client gave up (ssl.SSLError is one too)
+                return
+
+    def close(self) -> None:
+        import contextlib
+        import socket
+
+        self.stop.set()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self.listener.close()
+
+
+@pytest.fixture
+def tls_server_context(tls_certificate: Any) -> Any:
+    import ssl
+
+    cert, key = tls_certificate
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+def test_a_trickling_tls_handshake_fails_at_the_request_deadline(tls_server_context: Any) -> None:
+    """The handshake's bytes come well within the timeout (0.04 s apart,
+    timeout 0.5 s): it fails at the request's deadline (1 s), as a timeout —
+    each wait has the timeout, the whole handshake the deadline, as every
+    byte of an answer does (S5). It had one timeout in all, whatever the
+    deadline left."""
+    import time
+
+    server = _TLSHandshake(tls_server_context, pause_s=0.04)
+    try:
+        transport = HttpTransport(f"https://127.0.0.1:{server.port}", timeout_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"^TimeoutError$"):
+            transport.post("/x", {}, token="t")
+        elapsed = time.monotonic() - started
+        assert 0.9 < elapsed < 2.0
+        assert _eventually(lambda: server.accepted == 1)
+    finally:
+        server.close()
+
+
+def test_a_stalled_tls_handshake_fails_after_one_timeout(tls_server_context: Any) -> None:
+    """A server that says nothing after the ClientHello: one wait's timeout
+    (0.5 s), not the whole deadline (3 s)."""
+    import time
+
+    server = _TLSHandshake(tls_server_context, pause_s=None)
+    try:
+        transport = HttpTransport(f"https://127.0.0.1:{server.port}", timeout_s=0.5, deadline_s=3.0)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"^TimeoutError$"):
+            transport.post("/x", {}, token="t")
+        assert 0.45 < time.monotonic() - started < 2.0
+    finally:
+        server.close()
+
+
+def test_a_tls_handshake_after_a_slow_connect_has_what_the_deadline_leaves(
+    tls_server_context: Any, blackholes: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name's first address does not answer (its connect takes the
+    timeout, 1.4 s), the second accepts and trickles its handshake: the
+    handshake has the 0.1 s the deadline (1.5 s) leaves, not a timeout of its
+    own (S5: connect and handshake took up to 1.4 s each, 2.8 s in all)."""
+    import time
+
+    server = _TLSHandshake(tls_server_context, pause_s=0.04)
+    try:
+        blackholes("127.0.0.2", server.port)
+        _resolve(monkeypatch, "localhost", ["127.0.0.2", "127.0.0.1"])
+        transport = HttpTransport(f"https://localhost:{server.port}", timeout_s=1.4, deadline_s=1.5)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"^TimeoutError$"):
+            transport.post("/x", {}, token="t")
+        elapsed = time.monotonic() - started
+        assert 1.4 < elapsed < 2.5
+        assert _eventually(lambda: server.accepted == 1)  # the handshake was begun
+    finally:
+        server.close()
 
 
 def test_a_stalled_name_lookup_fails_the_request_at_its_deadline(
