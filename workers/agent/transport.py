@@ -44,14 +44,38 @@ call may be repeated (an ACK of the same phase is a no-op, a pull is replayed
 by its pull id, a heartbeat is idempotent, a second Session open simply
 fences the first), and a request whose answer was cut off on a fresh
 connection is never repeated here. Every socket operation has the
-transport's timeout (`timeout_s`), and a whole request — connecting, the
-TLS handshake, sending, every byte of the answer, the one resend included —
-has a deadline, `deadline_s`, twice the timeout by default (one timeout for
-the server to answer, a long poll included, one for the answer to arrive):
-a server that trickles its answer a byte at a time, each within the
-timeout, still fails the request then, as a `TimeoutError` like a silent
-one's (reviewer R5). The request is not sent again then: only a reused
-connection that ended before the answer's first line is.
+transport's timeout (`timeout_s`), and a whole request — looking the host
+name up, connecting, the TLS handshake, sending, every byte of the answer,
+the one resend included — has a deadline, `deadline_s`, twice the timeout by
+default (one timeout for the server to answer, a long poll included, one for
+the answer to arrive): a server that trickles its answer a byte at a time,
+each within the timeout, still fails the request then, as a `TimeoutError`
+like a silent one's (reviewer R5). The request is not sent again then: only
+a reused connection that ended before the answer's first line is.
+
+A new connection keeps that deadline before its first byte too (reviewer
+S5), give or take the scheduler's slack:
+
+- a literal IP address (the usual `127.0.0.1`) is never looked up; a host
+  name is, by `getaddrinfo` (which has no timeout of its own) in a daemon
+  thread that the request waits for no longer than its deadline allows. A
+  resolver that does not answer fails the request then, as a
+  `TimeoutError`; its lookup goes on in its thread until the resolver gives
+  up, and the next connects wait for that one rather than start another
+  (one lookup thread at most per transport). The addresses it answered
+  serve new connections for `RESOLVED_REUSE_S` (10 s), and are forgotten
+  when none of them takes a connection;
+- the addresses are tried in turn, each connect within the timeout or what
+  the deadline leaves, whichever is shorter: an address that does not
+  answer costs one timeout, and however many there are, the connects end
+  at the deadline (a `TimeoutError`);
+- the TLS handshake runs non-blocking: each wait for the server within the
+  timeout, the whole handshake within what the deadline leaves, so a
+  server that trickles its handshake fails the request at the deadline like
+  one that trickles its answer (a blocking handshake had the socket's
+  timeout for all of it, on top of whatever the connect took).
+
+A request on a reused connection does none of this.
 """
 
 from __future__ import annotations
