@@ -207,7 +207,8 @@ class _ExitWatcher:
                     callback = self._callbacks.pop(fd, None)
                     with contextlib.suppress(OSError):
                         self._epoll.unregister(fd)
-                    os.close(fd)
+                    with contextlib.suppress(OSError):  # never the end of this thread
+                        os.close(fd)
                 if callback is not None:
                     with contextlib.suppress(Exception):
                         callback()
@@ -224,12 +225,19 @@ class _ExitWatcher:
         for fd in self._callbacks:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        _FORGOTTEN.extend(self._callbacks.values())
         self._callbacks = {}
         if self._epoll is not None:
             with contextlib.suppress(OSError):
                 self._epoll.close()
         self._epoll = None
 
+
+# What a fork's child forgets of its parent's children (the exit watcher's
+# callbacks, the guards' Popen objects), kept referenced: dropped, each Popen
+# would be finalized in the child, warn "still running" and wait for a
+# process that is not the child's.
+_FORGOTTEN: list[object] = []
 
 _EXITS = _ExitWatcher()
 
@@ -365,6 +373,11 @@ class _Guard:
         self._unanswered = b""  # the tag whose answer did not come in time
         self._ready = False  # the current guard said "ready"
         self._ready_by = 0.0  # when it must have said so (time.monotonic)
+        # The agent's end of a guard being started (until it is `_socket`):
+        # a fork meanwhile closes it too.
+        self._opening: socket.socket | None = None
+        # Guards whose exit came while a cover held the lock (reaped by it).
+        self._exited: list[subprocess.Popen[bytes]] = []
         _GUARDS.add(self)
 
     @property
@@ -398,10 +411,14 @@ class _Guard:
         try:
             os.close(os.pidfd_open(os.getpid()))  # a kernel before 5.3 refuses
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._opening = ours
             # Non-blocking: a full queue is an error at once (`cover`); with
             # a blocking socket, MSG_DONTWAIT alone still waited here.
             ours.setblocking(False)
         except OSError:
+            if self._opening is not None:
+                self._opening.close()
+                self._opening = None
             return False
         try:
             with theirs:
@@ -414,9 +431,11 @@ class _Guard:
                     pass_fds=(theirs.fileno(),),
                 )
         except OSError:
+            self._opening = None
             ours.close()
             return False
         self._socket, self._process, self._owner = ours, process, os.getpid()
+        self._opening = None
         self._poll = select.poll()
         self._poll.register(ours, select.POLLIN)
         self._unanswered = b""
@@ -431,17 +450,42 @@ class _Guard:
         return True
 
     def _reap(self, process: subprocess.Popen[bytes]) -> None:
-        with self._lock:
-            if process is self._process and self._owner == os.getpid():
-                self._drop_locked()  # the next cover starts another
-                return
-            for index, (ours, retired, _) in enumerate(self._retired):
-                if retired is process:
-                    ours.close()
-                    del self._retired[index]
-                    break
+        """A guard exited (the exit watcher's thread). Never waits for a
+        cover, which may hold the lock for a guard's start: the watcher
+        thread tells every runner of its child's exit. Left to the cover
+        then, which reaps it as it lets go of the lock."""
+        if not self._lock.acquire(timeout=0.05):
+            self._exited.append(process)
+            # The cover may have let go of the lock (and looked) just now.
+            if self._lock.acquire(blocking=False):
+                self._lock.release()
+                self._reap_exited()
+            return
+        try:
+            self._reap_locked(process)
+        finally:
+            self._lock.release()
         with contextlib.suppress(OSError):
             process.poll()
+
+    def _reap_locked(self, process: subprocess.Popen[bytes]) -> None:
+        if process is self._process and self._owner == os.getpid():
+            self._drop_locked()  # the next cover starts another
+            return
+        for index, (ours, retired, _) in enumerate(self._retired):
+            if retired is process:
+                ours.close()
+                del self._retired[index]
+                break
+
+    def _reap_exited(self) -> None:
+        """The guards whose exit came while a cover held the lock."""
+        while self._exited:
+            process = self._exited.pop()
+            with self._lock:
+                self._reap_locked(process)
+            with contextlib.suppress(OSError):
+                process.poll()
 
     def stop(self) -> None:
         """At the interpreter's exit (after its non-daemon threads, the
@@ -522,14 +566,19 @@ class _Guard:
                     # ready, nothing unanswered. All full: the one that said
                     # so longest ago is the current guard again, asked first
                     # by the next cover.
-                    current = self._retired.pop(asked[0] if asked else 0)
-                    self._socket, self._process, self._poll = current
+                    index = asked[0] if asked else 0
+                    # Current before it leaves the list: a fork in between
+                    # still finds its socket (`_forget_at_fork`).
+                    self._socket, self._process, self._poll = self._retired[index]
+                    del self._retired[index]
                     self._ready, self._unanswered = True, b""
                     if not asked:
                         return _Cover.REFUSED
                 return _Cover.REFUSED
         finally:
             os.close(pidfd)
+            if self._exited:
+                self._reap_exited()
 
     def _answer_locked(self, tag: bytes, wait_s: float) -> bytes | None:
         """The guard's answer for `tag` ("held", "full"; b"" if it ended),
@@ -579,13 +628,17 @@ class _Guard:
         it at the fork, and the child has this thread alone."""
         self._lock = threading.Lock()
         ends = [ours for ours, _, _ in self._retired]
-        if self._socket is not None:
-            ends.append(self._socket)
+        _FORGOTTEN.extend(process for _, process, _ in self._retired)
+        _FORGOTTEN.extend((self._process, *self._exited))
+        for end in (self._socket, self._opening):
+            if end is not None:
+                ends.append(end)
         for ours in ends:
             with contextlib.suppress(OSError):
                 ours.close()
-        self._socket = self._process = self._poll = None
+        self._socket = self._process = self._poll = self._opening = None
         self._retired = []
+        self._exited = []
         self._unanswered = b""
         self._ready = False
 

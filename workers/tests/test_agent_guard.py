@@ -716,3 +716,97 @@ def test_a_fork_of_the_agent_spawns_under_a_guard_of_its_own_and_learns_of_exits
         with contextlib.suppress(ProcessLookupError):
             os.killpg(agent.pid, signal.SIGKILL)
         agent.wait(10)
+
+
+# A stand-in agent whose guard's start is forked over: the fork comes right
+# after the guard's Popen, before its socket is the guard's own (reviewer of
+# S8: the agent's end of a guard being started was out of the fork's reach).
+_STAND_IN_FORK_AT_START = """
+import os, subprocess, sys, time, warnings
+from pathlib import Path
+from workers.agent import executor
+real_popen = subprocess.Popen
+forked = []
+class ForkingPopen(real_popen):
+    def __init__(self, args, *rest, **kwargs):
+        super().__init__(args, *rest, **kwargs)
+        if executor._GUARD_PROGRAM in args and not forked:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # a fork beside threads
+                pid = os.fork()
+            if pid == 0:
+                time.sleep(120)
+                os._exit(0)
+            forked.append(pid)
+executor.subprocess.Popen = ForkingPopen
+spawner = executor.ProcessSpawner(Path(sys.argv[1]))
+assert spawner.guarded
+child = spawner({"command": ["sleep", "60"], "env": {}})
+print(child.pid, executor.death_guard_pid(), forked[0], flush=True)
+time.sleep(120)
+"""
+
+
+@linux_only
+def test_a_fork_while_a_guard_starts_keeps_it_from_seeing_the_agent_die(tmp_path: Path) -> None:
+    """A fork between a guard's start and its socket becoming the guard's
+    closes that end too: the agent's kill -9 still kills the guarded child
+    while the fork lives on (it kept both alive before)."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _STAND_IN_FORK_AT_START, str(tmp_path)],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    children: list[int] = []
+    try:
+        assert agent.stdout is not None
+        child, guard, forked = (int(part) for part in agent.stdout.readline().split())
+        children = [child, forked]
+        eventually(_is_running(child, ["sleep", "60"]), 10, "sleep exec'd")
+        assert _held_by(guard) == {child}
+        agent.kill()  # the agent process alone: its fork lives on
+        agent.wait(10)
+        eventually(lambda: not _alive(child), 10, "the guard killed the child")
+        eventually(lambda: not _alive(guard), 10, "the guard ended with the agent")
+        assert _alive(forked)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        if agent.stdout is not None:
+            agent.stdout.close()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@linux_only
+def test_a_guard_exit_during_a_long_cover_keeps_other_exits_on_time(
+    tmp_path: Path, own_guard: executor._Guard
+) -> None:
+    """The exit watcher's one thread tells every runner of its child's exit;
+    a guard that exits while a cover holds the guard's lock (a new guard's
+    start may take seconds) must not hold that thread: another child's exit
+    still comes at once, and the dead guard is reaped when the cover lets go
+    (before, the watcher waited for the lock and every exit with it)."""
+    spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
+    assert spawner.guarded
+    guard = _pid(own_guard)
+    exited = threading.Event()
+    with own_guard._lock:  # a cover at work
+        os.kill(guard, signal.SIGKILL)
+        eventually(lambda: _state(guard) in (None, "Z"), 10, "the guard died")
+        time.sleep(0.2)  # the watcher has its exit by now
+        other = subprocess.Popen(["sleep", "0.2"])
+        assert executor._EXITS.watch(other.pid, exited.set)
+        assert exited.wait(5), "another child's exit waited for the cover"
+    other.wait(5)
+    process = spawner(a_spec(command=["sleep", "60"]))
+    try:
+        assert spawner.guarded
+        assert own_guard.pid not in (None, guard)
+        eventually(lambda: _state(guard) is None, 10, "the dead guard was reaped")
+    finally:
+        _end(process)
