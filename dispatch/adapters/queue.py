@@ -15,7 +15,8 @@ statement: `dispatch.cycles`).
    and whether a Session in scope that takes claims and has a free slot
    matches its executor type and required labels (`servable_sessions_cte`,
    `placement_matches`). The Sessions are read once per statement, in SQL;
-   nothing loads them.
+   nothing loads them. With no such Session at all (a full fleet, a full
+   pulling Session), no group is walked: the first probes are gated on one.
 2. **The rows** (`rows`): for each chosen group, its first candidates after
    this cycle's position in its Project, each an ordered range of the same
    index with a LIMIT: on PostgreSQL prepared — one text of plain values
@@ -331,16 +332,20 @@ def walk_sql(
         f"WHERE r.state = {state_literal(RunState.QUEUED)} "
         "{extra} ORDER BY r.project_id, r.task_revision_id LIMIT 1"
     )
+    # With Sessions in view (a scope), none of them with a free slot: no
+    # group could be served, and none is walked (a one-time filter; the
+    # index is not descended at all, whatever the backlog).
+    gate = "" if scope is None else "AND EXISTS (SELECT 1 FROM servable) "
     ctes = (
         "after_walk(project_id, revision_id, n) AS ("  # noqa: S608
         "SELECT project_id, task_revision_id, 1 FROM ("
-        + first.format(extra="AND (r.project_id, r.task_revision_id) > (%s, %s)")
+        + first.format(extra=f"{gate}AND (r.project_id, r.task_revision_id) > (%s, %s)")
         + ") a0 UNION ALL "  # noqa: S608
         f"SELECT r.project_id, r.task_revision_id, w.n + 1 FROM after_walk w "
         f"JOIN {run} r ON r.id = ({successor}) WHERE w.n < %s), "
         "before_walk(project_id, revision_id, n) AS ("
         "SELECT project_id, task_revision_id, 1 FROM ("
-        + first.format(extra="")
+        + first.format(extra=gate)
         + ") b0 WHERE (project_id, task_revision_id) <= (%s, %s) UNION ALL "  # noqa: S608
         f"SELECT r.project_id, r.task_revision_id, w.n + 1 FROM before_walk w "
         f"JOIN {run} r ON r.id = ({successor}) "
