@@ -47,6 +47,32 @@ def own_guard() -> Iterator[executor._Guard]:
     guard.stop()  # kills what it still holds, as the agent's exit would
 
 
+@contextlib.contextmanager
+def _stand_in_agent(program: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    """A stand-in agent process (`program`, run from the repository), in a
+    process group of its own; the list takes the pids of children it reports.
+    Whatever the test did, the agent's group and those children are killed."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", program, *args],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    children: list[int] = []
+    try:
+        yield agent, children
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        if agent.stdout is not None:
+            agent.stdout.close()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _pid(guard: executor._Guard) -> int:
     pid = guard.pid
     assert pid is not None
@@ -120,14 +146,7 @@ def _signal_of_child(spawner: ProcessSpawner) -> str:
 def test_the_guard_kills_the_child_with_the_agent_process_not_with_its_thread(
     tmp_path: Path,
 ) -> None:
-    agent = subprocess.Popen(
-        [sys.executable, "-c", _STAND_IN, str(tmp_path)],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    with _stand_in_agent(_STAND_IN, str(tmp_path)) as (agent, _):
         assert agent.stdout is not None
         child, guard = (int(part) for part in agent.stdout.readline().split())
         eventually(_is_running(child, ["sleep", "60"]), 10, "sleep exec'd")
@@ -144,12 +163,6 @@ def test_the_guard_kills_the_child_with_the_agent_process_not_with_its_thread(
         agent.wait(10)
         eventually(lambda: not _alive(child), 10, "the guard killed the child")
         eventually(lambda: not _alive(guard), 10, "the guard ended with the agent")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(10)
-        if agent.stdout is not None:
-            agent.stdout.close()
 
 
 @linux_only
@@ -352,18 +365,10 @@ def test_a_kill_9_of_the_agent_kills_the_child_its_full_guard_could_not_take(
 ) -> None:
     """No orphan, even of the child that hit the guard's fd limit: it was
     handed to a new guard at its spawn, and the agent's kill -9 takes it too."""
-    agent = subprocess.Popen(
-        [sys.executable, "-c", _STAND_IN_FULL, str(tmp_path)],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    children: list[int] = []
-    try:
+    with _stand_in_agent(_STAND_IN_FULL, str(tmp_path)) as (agent, children):
         assert agent.stdout is not None
         first, second, guard, _ = (int(part) for part in agent.stdout.readline().split())
-        children = [first, second]
+        children += [first, second]
         eventually(_is_running(second, ["sleep", "60"]), 10, "sleep exec'd")
         assert _held_by(guard) == {first}
         agent.kill()
@@ -371,15 +376,6 @@ def test_a_kill_9_of_the_agent_kills_the_child_its_full_guard_could_not_take(
         eventually(lambda: not _alive(first), 10, "the full guard killed the first child")
         eventually(lambda: not _alive(second), 10, "the new guard killed the second child")
         eventually(lambda: not _alive(guard), 10, "the full guard ended with the agent")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(10)
-        if agent.stdout is not None:
-            agent.stdout.close()
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 @linux_only
@@ -389,18 +385,10 @@ def test_a_fork_of_the_agent_keeps_no_guard_from_killing_the_children(tmp_path: 
     of the agent's ends of the guards' sockets, the current guard's and a
     full one's: while it lives on, the agent's kill -9 still ends every
     child (reviewer S8: the fork held the sockets open, no guard saw its end)."""
-    agent = subprocess.Popen(
-        [sys.executable, "-c", _STAND_IN_FULL, str(tmp_path), "fork"],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    children: list[int] = []
-    try:
+    with _stand_in_agent(_STAND_IN_FULL, str(tmp_path), "fork") as (agent, children):
         assert agent.stdout is not None
         first, second, guard, forked = (int(part) for part in agent.stdout.readline().split())
-        children = [first, second, forked]
+        children += [first, second, forked]
         eventually(_is_running(second, ["sleep", "60"]), 10, "sleep exec'd")
         assert _held_by(guard) == {first}
         agent.kill()  # the agent process alone: its fork lives on
@@ -409,15 +397,6 @@ def test_a_fork_of_the_agent_keeps_no_guard_from_killing_the_children(tmp_path: 
         eventually(lambda: not _alive(second), 10, "the new guard killed the second child")
         eventually(lambda: not _alive(guard), 10, "the full guard ended with the agent")
         assert _alive(forked)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(10)
-        if agent.stdout is not None:
-            agent.stdout.close()
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 @linux_only
@@ -698,24 +677,13 @@ def test_a_fork_of_the_agent_spawns_under_a_guard_of_its_own_and_learns_of_exits
     """The fork's first spawn starts a guard of its own, and the exit watcher
     is its own too: the parent's epoll set, shared across the fork, and its
     thread, which the fork has not, are left to the parent."""
-    agent = subprocess.Popen(
-        [sys.executable, "-c", _FORK_SPAWNS, str(tmp_path)],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    with _stand_in_agent(_FORK_SPAWNS, str(tmp_path)) as (agent, _):
         out, _ = agent.communicate(timeout=60)
         assert agent.returncode == 0
         guarded, own_guard, told = out.split()
         assert guarded == "True"
         assert own_guard == "True"
         assert told == "True", "the fork never learnt of its child's exit"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(10)
 
 
 # A stand-in agent whose guard's start is forked over: the fork comes right
@@ -752,18 +720,10 @@ def test_a_fork_while_a_guard_starts_keeps_it_from_seeing_the_agent_die(tmp_path
     """A fork between a guard's start and its socket becoming the guard's
     closes that end too: the agent's kill -9 still kills the guarded child
     while the fork lives on (it kept both alive before)."""
-    agent = subprocess.Popen(
-        [sys.executable, "-c", _STAND_IN_FORK_AT_START, str(tmp_path)],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    children: list[int] = []
-    try:
+    with _stand_in_agent(_STAND_IN_FORK_AT_START, str(tmp_path)) as (agent, children):
         assert agent.stdout is not None
         child, guard, forked = (int(part) for part in agent.stdout.readline().split())
-        children = [child, forked]
+        children += [child, forked]
         eventually(_is_running(child, ["sleep", "60"]), 10, "sleep exec'd")
         assert _held_by(guard) == {child}
         agent.kill()  # the agent process alone: its fork lives on
@@ -771,15 +731,6 @@ def test_a_fork_while_a_guard_starts_keeps_it_from_seeing_the_agent_die(tmp_path
         eventually(lambda: not _alive(child), 10, "the guard killed the child")
         eventually(lambda: not _alive(guard), 10, "the guard ended with the agent")
         assert _alive(forked)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(10)
-        if agent.stdout is not None:
-            agent.stdout.close()
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 @linux_only
