@@ -301,23 +301,34 @@ class HttpTransport:
         """A TCP connection to one of the host's addresses, tried in order,
         each within the timeout or what the deadline leaves, whichever is
         shorter (`socket.create_connection` gave each the whole timeout, and
-        its lookup none). None of them answering, the lookup is forgotten."""
-        addresses = self._resolve(deadline) if self._literal is None else self._literal
+        its lookup none). An address whose socket cannot even be made (an
+        IPv6 answer where IPv6 is off) is passed over like one that does not
+        answer. None of them answering, that lookup is forgotten."""
+        lookup = None if self._literal is not None else self._resolve(deadline)
+        addresses = self._literal if lookup is None else lookup.addresses
+        assert addresses is not None
         error: OSError | None = None
         for family, kind, proto, _, address in addresses:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("the request's deadline passed")
-            sock = socket.socket(family, kind, proto)
+            sock: socket.socket | None = None
             try:
+                sock = socket.socket(family, kind, proto)
                 sock.settimeout(min(self.timeout_s, remaining))
                 sock.connect(address)
             except OSError as err:
-                sock.close()
+                if sock is not None:
+                    sock.close()
                 error = err
                 continue
+            except BaseException:
+                if sock is not None:
+                    sock.close()
+                raise
             return sock
-        self._forget_lookup()
+        if lookup is not None:
+            self._forget_lookup(lookup)
         if error is None:
             raise OSError("getaddrinfo returned no address")
         try:
@@ -325,10 +336,10 @@ class HttpTransport:
         finally:
             error = None  # no reference cycle through this frame
 
-    def _resolve(self, deadline: float) -> list[_Address]:
-        """The host name's addresses: the latest lookup's if it answered
-        within RESOLVED_REUSE_S, else a new lookup's (or the one in flight),
-        waited for no longer than the deadline allows."""
+    def _resolve(self, deadline: float) -> _Lookup:
+        """The host name's lookup, answered with addresses: the latest if it
+        answered within RESOLVED_REUSE_S, else a new one (or the one in
+        flight), waited for no longer than the deadline allows."""
         with self._lock:
             lookup = self._lookup
             if lookup is None or (lookup.done.is_set() and not lookup.reusable(time.monotonic())):
@@ -336,13 +347,21 @@ class HttpTransport:
         if not lookup.done.wait(max(0.0, deadline - time.monotonic())):
             raise TimeoutError("the name lookup outlasted the request's deadline")
         if lookup.error is not None:
-            raise lookup.error
-        return lookup.addresses
+            # A fresh exception per waiter: the shared one would gather each
+            # waiter's frames (and the request in them) in its traceback.
+            failed = lookup.error
+            try:
+                fresh = type(failed)(*failed.args)
+            except Exception:  # noqa: BLE001  (an exception type of other arguments)
+                fresh = OSError(str(failed))
+            raise fresh from None
+        return lookup
 
-    def _forget_lookup(self) -> None:
-        """The addresses looked up took no connection: look the name up anew."""
+    def _forget_lookup(self, lookup: _Lookup) -> None:
+        """Its addresses took no connection: the name is looked up anew (unless
+        another caller started a newer lookup meanwhile)."""
         with self._lock:
-            if self._lookup is not None and self._lookup.done.is_set():
+            if self._lookup is lookup:
                 self._lookup = None
 
     def _handshake(

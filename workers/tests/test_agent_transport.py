@@ -1032,3 +1032,72 @@ def test_a_name_is_looked_up_once_for_a_while_and_again_when_no_address_answers(
     assert transport.post("/x", {}, token="t").status == 200
     assert calls == ["localhost", "localhost"]
     assert len(second.requests) == 1
+
+
+def test_an_address_whose_socket_cannot_be_made_is_passed_over(
+    scripted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first answer of the lookup is of a family this host cannot make a
+    socket of (an IPv6 answer where IPv6 is off): the next address is tried,
+    as socket.create_connection does (the socket was made outside the
+    connect's error handling, and the request failed)."""
+    import socket
+
+    answer = _answer(b"{}", b"Content-Length: 2", b"Connection: close")
+    server = scripted([answer], closing=(0,))
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "localhost":
+            return real(host, port, *args, **kwargs)
+        unmakeable = (socket.AF_APPLETALK, socket.SOCK_STREAM, 0, "", ("x", port))
+        usable = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port))
+        return [unmakeable, usable]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    with pytest.raises(OSError):
+        socket.socket(socket.AF_APPLETALK, socket.SOCK_STREAM).close()
+    transport = HttpTransport(f"http://localhost:{server.port}")
+    assert transport.post("/x", {}, token="t").status == 200
+    assert len(server.requests) == 1
+    transport.close()
+
+
+def test_a_failed_lookup_raises_a_fresh_error_to_each_caller_and_is_looked_up_again(
+    scripted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests after one failed lookup: each gets its own error (not one
+    shared object gathering both callers' frames), and a lookup that failed is
+    not kept: the next request looks the name up again."""
+    import socket
+    import time
+
+    answer = _answer(b"{}", b"Content-Length: 2", b"Connection: close")
+    server = scripted([answer], closing=(0,))
+    real = socket.getaddrinfo
+    calls: list[str] = []
+    failing = [True]
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "localhost":
+            return real(host, port, *args, **kwargs)
+        calls.append(host)
+        if failing[0]:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    transport = HttpTransport(f"http://localhost:{server.port}")
+    with pytest.raises(TransportError, match=r"^gaierror$"):
+        transport.post("/x", {}, token="t")
+    seen: list[BaseException] = []
+    for _ in range(2):
+        with pytest.raises(socket.gaierror) as caught:
+            transport._resolve(time.monotonic() + 1)
+        seen.append(caught.value)
+    assert seen[0] is not seen[1]
+    assert seen[0].args == seen[1].args == (socket.EAI_NONAME, "Name or service not known")
+    failing[0] = False
+    assert transport.post("/x", {}, token="t").status == 200
+    assert len(calls) >= 2 and calls[-1] == "localhost"
+    transport.close()
