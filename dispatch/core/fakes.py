@@ -744,7 +744,8 @@ class FakeQueueReader:
     Groups are (Project, Task revision); ids compare as `id_sort_key`. With a
     scope, a group is servable when its Project and Task are under their
     limits (live leases) and a Worker in scope that takes claims and has a
-    free slot matches its placement.
+    free slot matches its placement. With a scope and no such Worker at all,
+    no group is walked (the ORM's walk is gated the same way).
     """
 
     def __init__(
@@ -756,6 +757,8 @@ class FakeQueueReader:
 
     def walk(self, *, start: WalkStart | None, cap: int) -> tuple[list[QueueGroup], bool]:
         store = self.store
+        if self.scope is not None and not self._open_workers():
+            return [], False  # no free slot in view: nothing could be served
         keys = sorted(
             {
                 (run.project_id, _group_id(run))
@@ -793,9 +796,11 @@ class FakeQueueReader:
         )
         return QueueGroup(project_id, group_id, task_id, servable, project_room, task_room)
 
-    def _placeable(self, definition: TaskDefinition) -> bool:
+    def _open_workers(self) -> list[FakeWorker]:
+        """The Workers in scope that take claims and have a free slot."""
         scope = self.scope
         assert scope is not None
+        found = []
         for worker in self.store.workers.values():
             session = worker.session
             if worker.admin_state != "active" or session is None or session.state != "online":
@@ -805,6 +810,11 @@ class FakeQueueReader:
                 continue
             if self.store.free_slots(worker.worker_id) <= 0:
                 continue
+            found.append(worker)
+        return found
+
+    def _placeable(self, definition: TaskDefinition) -> bool:
+        for worker in self._open_workers():
             score = placement_score(
                 definition.placement, executor_types=worker.executor_types, labels=worker.labels
             )

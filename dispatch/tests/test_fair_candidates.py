@@ -15,6 +15,7 @@ from datetime import datetime
 
 import pytest
 
+from dispatch.core.fairness import WALK_CAP
 from dispatch.core.ports import Candidate, DispatchPorts, DispatchScope, Page
 from dispatch.tests.stores import (
     FakeStoreBuilder,
@@ -204,6 +205,28 @@ def test_session_scope_serves_only_what_that_session_can_take(store: StoreBuilde
     claim(store, needs_gpu[0], big)
     # Full: nothing for it, whatever is queued.
     assert read(store.ports(), scope=DispatchScope.for_session(big)) == []
+
+
+def test_a_full_fleet_walks_nothing_pages_nothing_and_keeps_the_turn(store: StoreBuilder) -> None:
+    """No Session in scope with a free slot: the read ends at once (no page
+    after the first, however many groups are queued) and no Project loses
+    its turn to a full fleet: once a slot is free, the read starts where it
+    would have."""
+    runs = [queued(store, store.add_task(), 1, start=i)[0] for i in range(WALK_CAP + 6)]
+    worker = store.add_worker(slots=1)
+
+    def first_page() -> Page[Candidate]:
+        return store.ports().candidates.candidate_page(
+            observed_at=store.now(), cursor=None, limit=8, scope=GLOBAL
+        )
+
+    assert [item.attempt_id for item in first_page().items] == runs[:8]
+    claim(store, runs[0], worker)
+    for _ in range(3):  # a full fleet's cycles, one after the other
+        page = first_page()
+        assert (page.items, page.next_cursor) == ((), None)
+    store.add_worker(slots=1)
+    assert [item.attempt_id for item in first_page().items] == runs[1:9]
 
 
 def test_held_back_and_cancelled_runs_are_stepped_over_inside_their_project(

@@ -133,10 +133,10 @@ def test_the_pull_walk_is_the_walk_the_reader_reads_at_that_clock() -> None:
     assert rooms[str(tasks[0].project_id)] == (False, 0, None)
     assert rooms[str(tasks[1].project_id)][2] in (1, 2)
 
-    # The Session full: still walked (it takes claims), nothing servable.
+    # The Session full: nothing it could take, so no group is walked.
     WorkerSession.objects.filter(pk=session.pk).update(slots=2)
     groups = _assert_walk_is_the_readers(session)
-    assert not any(g.servable for g in groups)
+    assert groups == []
 
 
 def test_an_empty_queue_is_walked_as_empty() -> None:

@@ -64,7 +64,7 @@ def test_a_global_walk_reads_no_group_while_no_session_has_a_free_slot() -> None
 
 
 def test_a_full_global_cycle_is_one_statement_and_keeps_the_projects_turn() -> None:
-    _queue()
+    _queue(runs=1)  # the turn's Project fully claimed: the walk would not wrap to it
     worker, _ = testing.make_worker(slots=1)
     testing.open_session(worker, slots=1)
     dispatch_cycle(scope=GLOBAL)
