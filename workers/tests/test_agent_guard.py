@@ -569,6 +569,22 @@ def test_a_guard_that_never_gets_ready_turns_the_spawner_to_the_signal(
         _end(process)
 
 
+def _a_full_guard_and_its_successor(
+    spawner: ProcessSpawner, guard: executor._Guard, spawned: list[LocalProcess]
+) -> tuple[LocalProcess, int, LocalProcess, int]:
+    """A first child held by a guard then filled to its fd limit, and a
+    second child the next guard took: (first, its guard, second, its guard).
+    Every child spawned goes into `spawned` (for the caller to end)."""
+    first = spawner(a_spec(command=["sleep", "60"]))
+    spawned.append(first)
+    retired = _pid(guard)
+    eventually(lambda: first.pid in _held_by(retired), 10, "the guard holds the first child")
+    _fill(retired)
+    second = spawner(a_spec(command=["sleep", "60"]))
+    spawned.append(second)
+    return first, retired, second, _pid(guard)
+
+
 @linux_only
 def test_past_the_last_guard_a_retired_guard_with_room_takes_the_child(
     tmp_path: Path, own_guard, monkeypatch: pytest.MonkeyPatch
@@ -578,15 +594,9 @@ def test_past_the_last_guard_a_retired_guard_with_room_takes_the_child(
     never asked again, the child was refused), and the spawner stays guarded."""
     monkeypatch.setattr(executor, "_MAX_GUARDS", 2, raising=False)
     spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
-    first = spawner(a_spec(command=["sleep", "60"]))
-    spawned: list[LocalProcess] = [first]
+    spawned: list[LocalProcess] = []
     try:
-        retired = _pid(own_guard)
-        eventually(lambda: first.pid in _held_by(retired), 10, "the guard holds the first child")
-        _fill(retired)
-        second = spawner(a_spec(command=["sleep", "60"]))
-        spawned.append(second)
-        last = _pid(own_guard)
+        first, retired, second, last = _a_full_guard_and_its_successor(spawner, own_guard, spawned)
         assert last != retired
         assert _held_by(last) == {second.pid}
         _end(first)
@@ -612,15 +622,9 @@ def test_once_every_guard_was_full_a_later_child_goes_to_one_with_room(
     guard's children ended, another spawner's child goes to it."""
     monkeypatch.setattr(executor, "_MAX_GUARDS", 2, raising=False)
     spawner = ProcessSpawner(tmp_path, death_guard=own_guard)
-    first = spawner(a_spec(command=["sleep", "60"]))
-    spawned: list[LocalProcess] = [first]
+    spawned: list[LocalProcess] = []
     try:
-        retired = _pid(own_guard)
-        eventually(lambda: first.pid in _held_by(retired), 10, "the guard holds the first child")
-        _fill(retired)
-        second = spawner(a_spec(command=["sleep", "60"]))
-        spawned.append(second)
-        last = _pid(own_guard)
+        first, retired, second, last = _a_full_guard_and_its_successor(spawner, own_guard, spawned)
         assert _held_by(last) == {second.pid}
         _fill(last)
         spawned.append(spawner(a_spec(command=["sleep", "60"])))
