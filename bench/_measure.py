@@ -78,8 +78,14 @@ _TICK = os.sysconf("SC_CLK_TCK")
 def pid_cpu(pid: int) -> float:
     """CPU seconds (user + system) process `pid` of this machine has used so
     far, from /proc. Clock ticks: meaningful summed over many requests."""
+    return pid_start_and_cpu(pid)[1]
+
+
+def pid_start_and_cpu(pid: int) -> tuple[int, float]:
+    """(its start time in clock ticks after boot, `pid_cpu`) of process
+    `pid`: the start time tells a reused pid from the process it was."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return int(fields[19]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def backend_cpu() -> tuple[int, float]:

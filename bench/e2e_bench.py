@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 # bench/ is sys.path[0] when this file runs as a script.
-from _measure import admin, db_url, pid_cpu
+from _measure import admin, db_url, pid_cpu, pid_start_and_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every database name comes from here. BENCH_DB_NAME names the e2e database (as
@@ -405,13 +405,6 @@ def _cpu_by_process(procs: Processes) -> dict[str, tuple[float, float]]:
     return {name: _group_cpu(proc.pid) for name, proc in procs.procs.items()}
 
 
-def _proc_cpu(pid: int) -> tuple[int, float]:
-    """(start time in clock ticks after boot, CPU seconds so far: user + system)
-    of process `pid` of this machine, from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[19]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class BackendCpu:
     """CPU seconds the PostgreSQL backends connected to `db` use between
     `start()` and `stop()`, this process's own connection left out (the server
@@ -462,7 +455,7 @@ class BackendCpu:
             if pid in self.own:
                 continue
             try:
-                start, cpu = _proc_cpu(pid)
+                start, cpu = pid_start_and_cpu(pid)
             except OSError:  # exited since the query: its last reading stands
                 continue
             now[(pid, start)] = cpu
