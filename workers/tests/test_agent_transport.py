@@ -205,7 +205,32 @@ def test_an_answer_cut_off_mid_body_leaves_no_socket_open() -> None:
 # -- the answer as the wire brings it (issue #12: the transport's own HTTP/1.1 client) --
 
 
-class _Scripted:
+class _Listening:
+    """A listening socket whose every connection (counted) is served by
+    `_serve` on a thread of its own, until the listener is closed."""
+
+    def __init__(self, address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
+        import socket
+
+        self.connections = 0
+        self.listener = socket.create_server(address)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        raise NotImplementedError
+
+
+class _Scripted(_Listening):
     """A raw server: each request read whole gets the next scripted answer's bytes.
 
     An answer `None` closes the connection without a word; after an answer
@@ -219,25 +244,11 @@ class _Scripted:
         tls: Any = None,
         address: tuple[str, int] = ("127.0.0.1", 0),
     ) -> None:
-        import socket
-
         self.answers = list(answers)
         self.requests: list[bytes] = []
-        self.connections = 0
-        self.listener = socket.create_server(address)
-        self.port = self.listener.getsockname()[1]
         self.closing = closing
         self.tls = tls
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__(address)
 
     def _serve(self, conn: Any) -> None:
         try:
@@ -785,33 +796,19 @@ def _resolve(monkeypatch: pytest.MonkeyPatch, name: str, addresses: Any) -> list
     return calls
 
 
-class _TLSHandshake:
+class _TLSHandshake(_Listening):
     """A TLS server (`ssl`'s own handshake, through memory BIOs) that accepts
     TCP, then sends its handshake's bytes one at a time, `pause_s` apart, each
     well within the client's timeout (a flight of a few KiB: a minute of
     them); `pause_s=None`: it reads the ClientHello and says nothing."""
 
     def __init__(self, context: Any, *, pause_s: float | None) -> None:
-        import socket
-
         self.context = context
         self.pause_s = pause_s
-        self.accepted = 0
         self.stop = threading.Event()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            threading.Thread(target=self._handshake, args=(conn,), daemon=True).start()
-
-    def _handshake(self, conn: Any) -> None:
+    def _serve(self, conn: Any) -> None:
         import ssl
 
         with conn:
@@ -875,7 +872,7 @@ def test_a_trickling_tls_handshake_fails_at_the_request_deadline(tls_server_cont
             transport.post("/x", {}, token="t")
         elapsed = time.monotonic() - started
         assert 0.9 < elapsed < 2.0
-        assert _eventually(lambda: server.accepted == 1)
+        assert _eventually(lambda: server.connections == 1)
     finally:
         server.close()
 
@@ -915,7 +912,7 @@ def test_a_tls_handshake_after_a_slow_connect_has_what_the_deadline_leaves(
             transport.post("/x", {}, token="t")
         elapsed = time.monotonic() - started
         assert 1.4 < elapsed < 2.5
-        assert _eventually(lambda: server.accepted == 1)  # the handshake was begun
+        assert _eventually(lambda: server.connections == 1)  # the handshake was begun
     finally:
         server.close()
 
