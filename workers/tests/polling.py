@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 from django.db import OperationalError
 
-# SQLite's shared in-memory test database answers these while the live server
-# writes ("database table is locked: <table>", "database is locked"); they pass.
+# SQLite answers these while another connection writes: a shared in-memory
+# database at once ("database table is locked: <table>"), the file database of
+# the SQLite pass past its busy timeout ("database is locked"); they pass.
 _SQLITE_LOCK_MESSAGES = ("database table is locked", "database is locked")
 
 
